@@ -1,0 +1,47 @@
+"""chemio_py: out-of-core arrays and scratch files for computational chemistry.
+
+The three I/O models of ChemIO over pluggable backends:
+
+* ``ExclusiveFile`` — one private byte-addressable scratch file per process (EAF);
+
+with asynchronous requests (``Request``, ``waitall``, ``waitany``), run-time settings
+(``configure``, ``settings``) and I/O accounting (``report``). See README.md for a tour.
+"""
+from __future__ import annotations
+
+import os as _os
+
+# In a source checkout the device layer lives in ../backends and is installed as
+# chemio_py.backends; let the package find it there too (as the installed layout does).
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_checkout, "backends", "__init__.py")) \
+        and _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")):
+    __path__.append(_checkout)  # type: ignore[name-defined]
+
+from . import errors  # noqa: E402
+from .comm import comm  # noqa: E402
+from .config import configure, settings  # noqa: E402
+from .errors import (  # noqa: E402
+    BackendUnavailableError, ChemIOError, EndOfFileError, LimitExceededError, MetadataError,
+    ModeError, OutOfSpaceError, SectionError,
+)
+from .exclusive import ExclusiveFile  # noqa: E402
+from .requests import Request, completed, waitall, waitany  # noqa: E402
+from .scratch import FsInfo, cleanup, stat  # noqa: E402
+from .stats import report  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def aligned_empty(shape, dtype="uint8", align: int = 4096):
+    """An uninitialised array aligned for O_DIRECT (``align``-byte boundary)."""
+    from .backends.local import aligned_empty as _ae
+    return _ae(shape, dtype, align)
+
+
+__all__ = [
+    "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
+    "comm", "stat", "FsInfo", "cleanup", "report", "aligned_empty", "errors",
+    "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",
+    "LimitExceededError", "MetadataError", "BackendUnavailableError", "__version__",
+]

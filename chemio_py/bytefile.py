@@ -1,0 +1,236 @@
+"""Positioned, blocking and asynchronous I/O on a backend ByteStore, with accounting.
+
+``ByteFile`` holds what ExclusiveFile and SharedFile have in common: argument checks,
+end-of-file semantics, counters, async requests and waiting for them at close. The
+subclasses decide where the file lives and who may create or destroy it.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+import numpy as np
+
+from . import requests, scratch, stats
+from .errors import ArgumentError, ChemIOError, EndOfFileError, ModeError
+
+MODES = ("r", "r+", "w+", "x+")
+
+
+def check_mode(mode: Any) -> str:
+    if mode not in MODES:
+        raise ModeError(f"mode {mode!r} is not one of {', '.join(MODES)} "
+                        f"(r: read, r+: read/write existing, w+: create or truncate, "
+                        f"x+: create, must not exist)")
+    return mode
+
+
+def check_offset(offset: Any, what: str = "offset") -> int:
+    try:
+        off = operator.index(offset)
+    except TypeError:
+        raise ArgumentError(f"{what} must be an integer, got {type(offset).__name__} "
+                            f"{offset!r}") from None
+    if off < 0:
+        raise ArgumentError(f"{what} must be >= 0, got {off}")
+    return off
+
+
+def contiguous(data: Any) -> Any:
+    """``data`` itself, or a C-contiguous copy of a strided NumPy array (writes only)."""
+    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+        return np.ascontiguousarray(data)
+    return data
+
+
+def nbytes_of(buf: Any) -> int:
+    try:
+        return memoryview(buf).nbytes
+    except TypeError:
+        raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
+                            f"{type(buf).__name__}") from None
+
+
+class ByteFile:
+    """A byte-addressable file over a ByteStore (see ExclusiveFile for the API)."""
+
+    def __init__(self, store: Any, backend_name: str, mode: str):
+        self._store = store
+        self._mode = mode
+        self.backend = backend_name
+        self._stats = stats.for_file(store.path, backend_name)
+        self._pending = requests.Pending()
+        scratch.register_open(self)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def path(self) -> str:
+        return self._store.path
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    @property
+    def size(self) -> int:
+        """Current size in bytes."""
+        return self._open_store().size()
+
+    @property
+    def stats(self) -> stats.FileStats:
+        return self._stats
+
+    def _open_store(self) -> Any:
+        if self._store is None:
+            raise ChemIOError(f"I/O on a closed {type(self).__name__}; open it again")
+        return self._store
+
+    def _writable_store(self) -> Any:
+        st = self._open_store()
+        if self._mode == "r":
+            raise ModeError(f"{self.path!r} is open read-only (mode 'r'); open it with "
+                            f"mode 'r+' to write")
+        return st
+
+    # ------------------------------------------------------------ hooks for subclasses
+    def _before_write(self, offset: int, nbytes: int) -> None:
+        """Check a write before any byte moves (limits)."""
+
+    # ------------------------------------------------------------ the I/O bodies
+    def _do_write(self, store: Any, offset: int, data: Any, n: int) -> int:
+        t0 = time.perf_counter()
+        store.pwrite(offset, data)
+        self._stats.record("write", n, t0, time.perf_counter(), offset)
+        return n
+
+    def _do_read(self, store: Any, offset: int, out: Any, n: int) -> Any:
+        t0 = time.perf_counter()
+        got = store.pread(offset, out)
+        self._stats.record("read", got, t0, time.perf_counter(), offset)
+        if got < n:
+            raise EndOfFileError(self.path, offset, n, store.size())
+        return out
+
+    # ------------------------------------------------------------ blocking
+    def write(self, offset: int, data: Any) -> int:
+        """Write ``data`` (any buffer: bytes, ndarray) at ``offset``; returns bytes written.
+
+        Writing past the end extends the file; skipped bytes read as zeros.
+        """
+        store = self._writable_store()
+        offset = check_offset(offset)
+        data = contiguous(data)
+        n = nbytes_of(data)
+        self._before_write(offset, n)
+        t0 = time.perf_counter()
+        try:
+            return self._do_write(store, offset, data, n)
+        finally:
+            self._stats.waited(time.perf_counter() - t0)
+
+    def read(self, offset: int, out: Any) -> Any:
+        """Fill ``out`` (writable buffer) from ``offset``; returns ``out``.
+
+        Raises ``EndOfFileError`` when the range passes the end of the file.
+        """
+        store = self._open_store()
+        offset = check_offset(offset)
+        n = nbytes_of(out)
+        t0 = time.perf_counter()
+        try:
+            return self._do_read(store, offset, out, n)
+        finally:
+            self._stats.waited(time.perf_counter() - t0)
+
+    def read_bytes(self, offset: int, n: int) -> bytes:
+        """Read ``n`` bytes at ``offset`` into a new ``bytes`` object."""
+        n = check_offset(n, "n")
+        buf = bytearray(n)
+        self.read(offset, buf)
+        return bytes(buf)
+
+    # ------------------------------------------------------------ asynchronous
+    def awrite(self, offset: int, data: Any) -> requests.Request:
+        """Start writing ``data`` at ``offset``; do not modify ``data`` until it completes."""
+        store = self._writable_store()
+        offset = check_offset(offset)
+        data = contiguous(data)
+        n = nbytes_of(data)
+        self._before_write(offset, n)
+        return self._pending.add(
+            requests.submit(self._do_write, store, offset, data, n, stats=self._stats))
+
+    def aread(self, offset: int, out: Any) -> requests.Request:
+        """Start filling ``out`` from ``offset``; ``wait()`` returns ``out``.
+
+        Past-the-end reads fail with ``EndOfFileError`` at ``wait()``.
+        """
+        store = self._open_store()
+        offset = check_offset(offset)
+        n = nbytes_of(out)
+        if memoryview(out).readonly:
+            raise ArgumentError(f"aread() needs a writable buffer, got a read-only "
+                                f"{type(out).__name__}")
+        return self._pending.add(
+            requests.submit(self._do_read, store, offset, out, n, stats=self._stats))
+
+    @property
+    def outstanding(self) -> int:
+        """Number of async requests not yet complete."""
+        return len(self._pending)
+
+    # ------------------------------------------------------------ management
+    def truncate(self, n: int) -> None:
+        """Set the size to ``n`` bytes (waits for outstanding requests first)."""
+        store = self._writable_store()
+        n = check_offset(n, "size")
+        self._pending.drain()
+        store.truncate(n)
+
+    def flush(self) -> None:
+        """Wait for outstanding requests and make written data durable."""
+        store = self._open_store()
+        err = self._pending.drain()
+        if self._mode != "r":
+            store.flush()
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        """Wait for outstanding requests, then close. Idempotent.
+
+        An error of a request that was still outstanding is raised here.
+        """
+        store = self._store
+        if store is None:
+            return
+        try:
+            err = self._pending.drain()
+        finally:
+            self._store = None
+            store.close()
+        if err is not None:
+            raise err
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_store", None) is not None:
+            try:
+                self._pending.drain()
+                self._store.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"mode {self._mode!r}"
+        return f"<{type(self).__name__} {self.path!r} {state} backend={self.backend}>"

@@ -1,0 +1,139 @@
+"""The chemio_py exception hierarchy.
+
+Every error names what was asked, what was found and, where there is one, what to do.
+Errors that stand for an operating-system failure are also ``OSError`` (with ``errno``),
+errors about bad arguments are also ``ValueError``, so callers can catch them either way.
+"""
+from __future__ import annotations
+
+import errno as _errno
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+class ChemIOError(Exception):
+    """Base class of every error raised by chemio_py."""
+
+
+class StorageError(ChemIOError, OSError):
+    """An I/O call failed in a backend: carries errno, path, offset and size."""
+
+    def __init__(self, err: int, path: str, offset: int | None = None,
+                 size: int | None = None, op: str = "I/O", hint: str = ""):
+        self.offset = offset
+        self.size = size
+        self.op = op
+        where = f" at offset {offset}" if offset is not None else ""
+        what = f" of {size} bytes" if size is not None else ""
+        msg = f"{op}{what}{where} failed: {_errno.errorcode.get(err, err)} ({_os_strerror(err)})"
+        if hint:
+            msg += f". {hint}"
+        OSError.__init__(self, err, msg, path)
+
+    def __str__(self) -> str:
+        return f"{self.strerror}: {self.filename!r}"
+
+
+def _os_strerror(err: int) -> str:
+    import os
+    try:
+        return os.strerror(err)
+    except ValueError:  # pragma: no cover
+        return "unknown error"
+
+
+class OutOfSpaceError(StorageError):
+    """Not enough room on the device (or in the RAM budget) for what was asked."""
+
+    def __init__(self, path: str, needed: int | None, free: int | None,
+                 what: str = "write", hint: str | None = None):
+        self.needed = needed
+        self.free = free
+        self.what = what
+        if hint is None:
+            hint = ("free space there, point CHEMIO_SCRATCH at a larger file system, "
+                    "or lower the size hint")
+        ChemIOError.__init__(self)
+        OSError.__init__(self, _errno.ENOSPC,
+                         f"out of space: {what} needs {_fmt_bytes(needed)} "
+                         f"({needed} bytes) but {_fmt_bytes(free)} ({free} bytes) "
+                         f"is free; {hint}", path)
+        self.offset = None
+        self.size = needed
+        self.op = what
+
+
+class EndOfFileError(ChemIOError, EOFError):
+    """A read reached past the end of a file."""
+
+    def __init__(self, path: str, offset: int, nbytes: int, size: int):
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        self.size = size
+        super().__init__(
+            f"read of {nbytes} bytes at offset {offset} passes the end of {path!r} "
+            f"(size {size} bytes); read at most {max(0, size - offset)} bytes there "
+            f"or write the range first")
+
+
+class ArgumentError(ChemIOError, ValueError):
+    """An argument (offset, size, mode, name...) is not acceptable."""
+
+
+class SectionError(ChemIOError, ValueError):
+    """A section (tuple of slices) or data shape does not fit the array."""
+
+
+class ModeError(ArgumentError):
+    """The operation is not allowed in the mode the object was opened with."""
+
+
+class InvalidNameError(ArgumentError):
+    """A scratch name is not a plain file name."""
+
+
+class LimitExceededError(ChemIOError):
+    """A write would pass a hard size limit; nothing was written."""
+
+
+class MetadataError(ChemIOError, ValueError):
+    """Array metadata is missing, corrupt or hostile."""
+
+
+class BackendUnavailableError(ChemIOError, ImportError):
+    """A storage backend cannot be used here; the message says how to install it."""
+
+    def __init__(self, name: str, reason: str, hint: str = ""):
+        self.backend = name
+        self.reason = reason
+        self.hint = hint
+        msg = f"backend {name!r} is unavailable: {reason}"
+        if hint:
+            msg += f"; {hint}"
+        super().__init__(msg)
+
+
+class CollectiveError(ChemIOError):
+    """Another rank failed in a collective call; ``failures`` maps rank -> its reason."""
+
+    def __init__(self, what: str, failures: dict[int, str]):
+        self.what = what
+        self.failures = dict(failures)
+        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on {len(self.failures)} rank(s): {lines}")
+
+
+__all__ = [
+    "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "EndOfFileError", "SectionError",
+    "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
+    "BackendUnavailableError", "CollectiveError",
+]

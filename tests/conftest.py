@@ -1,0 +1,117 @@
+"""Test scaffolding shared by every test module.
+
+* The suite runs with its own scratch root (``CHEMIO_SCRATCH``), made fresh per session.
+* ``store`` is parametrised over every backend usable here: a store test written once runs
+  on each of them.
+* ``mpirun(n, body)`` runs ``body`` (Python source) under a real ``mpiexec -n n`` through
+  ``python -m mpi4py`` (an exception on one rank aborts the job instead of hanging it).
+* After every test the process's scratch is cleaned as at exit and the scratch root must be
+  empty; at the end no new chemio segment may remain in the shm directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+SCRATCH_ROOT = tempfile.mkdtemp(prefix="cio-tests-")
+os.environ["CHEMIO_SCRATCH"] = SCRATCH_ROOT
+for var in ("CHEMIO_SHARED_SCRATCH", "CHEMIO_BACKEND", "CHEMIO_CONFIG", "CHEMIO_SYNC",
+            "CHEMIO_KEEP", "CHEMIO_TRACE", "CHEMIO_IO_THREADS", "CHEMIO_DIRECT"):
+    os.environ.pop(var, None)
+
+import chemio_py as cio  # noqa: E402
+from chemio_py import config, scratch  # noqa: E402
+import chemio_py.backends as backends  # noqa: E402
+
+SHM_DIR = os.environ.get("CHEMIO_SHM_DIR", "/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if "chemio" in n}
+    except OSError:
+        return set()
+
+
+_SHM_BEFORE = _shm_entries()
+
+
+def store_backends() -> list[str]:
+    """Backends that can hold byte stores on this machine."""
+    return [n for n, (ok, _) in backends.availability().items() if ok]
+
+
+@pytest.fixture(params=store_backends())
+def store(request) -> str:
+    """The name of a backend; every test using it runs once per backend."""
+    return request.param
+
+
+@pytest.fixture
+def scratch_root() -> str:
+    return SCRATCH_ROOT
+
+
+def _leftovers(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        out += [os.path.join(dirpath, n) for n in filenames + dirnames]
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _clean_scratch_after_test():
+    """Reset settings; after the test, clean up as at exit and demand an empty root."""
+    config.reset()
+    yield
+    config.reset()
+    scratch.cleanup()
+    left = _leftovers(SCRATCH_ROOT)
+    if left:
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+        pytest.fail(f"test left files in the scratch root: {left[:10]}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    scratch.cleanup()
+    left = _leftovers(SCRATCH_ROOT)
+    shm_left = sorted(_shm_entries() - _SHM_BEFORE)
+    shutil.rmtree(SCRATCH_ROOT, ignore_errors=True)
+    if left or shm_left:
+        print(f"\nLEAK: scratch root {left[:10]}, shm {shm_left[:10]}", file=sys.stderr)
+        session.exitstatus = 1
+
+
+def mpiexec_path() -> str:
+    cand = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return cand if os.path.exists(cand) else (shutil.which("mpiexec") or "mpiexec")
+
+
+def run_mpi(n: int, body: str, *, tmp_path, timeout: float = 180, env: dict | None = None,
+            check: bool = True, args: list[str] | None = None) -> subprocess.CompletedProcess:
+    script = tmp_path / f"mpi_body_{n}.py"
+    script.write_text(textwrap.dedent(body))
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script)] + (args or [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=str(tmp_path))
+    if check and proc.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} failed ({proc.returncode})\n--- stdout\n{proc.stdout}"
+                    f"\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def mpirun(tmp_path):
+    """``mpirun(n, body, **kw)`` runs Python source ``body`` on ``n`` ranks; returns the process."""
+    def _run(n: int, body: str, **kw):
+        return run_mpi(n, body, tmp_path=tmp_path, **kw)
+    return _run
