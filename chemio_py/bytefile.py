@@ -57,6 +57,7 @@ class ByteFile:
 
     def __init__(self, store: Any, backend_name: str, mode: str):
         self._store = store
+        self._path = store.path
         self._mode = mode
         self.backend = backend_name
         self._stats = stats.for_file(store.path, backend_name)
@@ -66,7 +67,7 @@ class ByteFile:
     # ------------------------------------------------------------ properties
     @property
     def path(self) -> str:
-        return self._store.path
+        return self._path
 
     @property
     def mode(self) -> str:
@@ -112,7 +113,7 @@ class ByteFile:
         t0 = time.perf_counter()
         got = store.pread(offset, out)
         self._stats.record("read", got, t0, time.perf_counter(), offset)
-        if got < n:
+        if got < n or (n == 0 and offset > store.size()):
             raise EndOfFileError(self.path, offset, n, store.size())
         return out
 

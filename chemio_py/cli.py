@@ -1,0 +1,193 @@
+"""The ``chemio`` command: info, config, clean, demo, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Sequence
+
+from . import config, scratch
+
+
+def _human(n: int | None) -> str:
+    from .errors import _fmt_bytes
+    return _fmt_bytes(n)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import chemio_py
+    import chemio_py.backends as backends
+    import numpy
+    print(f"chemio_py {chemio_py.__version__} (Python {platform.python_version()}, "
+          f"NumPy {numpy.__version__}) on {platform.node()}")
+    print("\nbackends:")
+    for name, (ok, why) in backends.availability().items():
+        print(f"  {name:8s} {'available' if ok else 'UNAVAILABLE'}: {why}")
+    print("\nscratch:")
+    places = [("private (rank 0)", scratch.private_root(0)), ("shared", scratch.shared_root()),
+              ("shm", config.get("shm_dir"))]
+    for label, path in places:
+        try:
+            fs = scratch.stat(path)
+            print(f"  {label:17s} {path}  {_human(fs.free)} free of {_human(fs.total)}, {fs.fstype}")
+        except OSError as e:
+            print(f"  {label:17s} {path}  not usable: {e}")
+    print("\nMPI:")
+    try:
+        from mpi4py import MPI
+        lib = MPI.Get_library_version().strip().splitlines()[0]
+        import mpi4py
+        print(f"  mpi4py {mpi4py.__version__}; {lib}")
+    except ImportError:
+        print("  mpi4py not installed (serial only); pip install 'chemio-py[mpi]'")
+    print("\nsettings:")
+    _print_settings()
+    return 0
+
+
+def _print_settings() -> None:
+    for s in config.settings().values():
+        print(f"  {s.name:15s} = {s.value!r:30s} ({s.source})")
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(f"config file: {config.config_path() or '(none)'}")
+    _print_settings()
+    rules = config.file_rules()
+    if rules:
+        print("\nper-name rules:")
+        for pattern, values, source in rules:
+            print(f"  {pattern!r}: {values}  ({source})")
+    if args.names:
+        print("\nbackend by name:")
+        for n in args.names:
+            s = config.backend_for(n)
+            print(f"  {n:24s} -> {s.value:8s} ({s.source})")
+    return 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    roots = args.root or scratch.all_roots()
+    infos = scratch.scan_job_dirs(roots)
+    stale = [i for i in infos if not i.alive]
+    for i in infos:
+        verdict = "in use" if i.alive else ("would remove" if args.dry_run else "removing")
+        print(f"{verdict:12s} {i.path}  ({i.reason})")
+        if not i.alive and not args.dry_run:
+            try:
+                scratch.remove_job_dir(i.path, roots)
+            except OSError as e:
+                print(f"  could not remove {i.path}: {e}", file=sys.stderr)
+    if not infos:
+        print(f"no chemio job directories under {', '.join(roots)}")
+    print(f"{len(stale)} stale of {len(infos)} job directories"
+          f"{' (dry run: nothing removed)' if args.dry_run else ''}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A short out-of-core pass: write 1 MiB records behind, read them back with read-ahead."""
+    import numpy as np
+    import chemio_py as cio
+    nrec, rec = args.records, 1 << 17          # records of 128k doubles = 1 MiB
+    print(f"chemio demo: an integral-cache pass through an Exclusive Access File")
+    print(f"  scratch: {scratch.private_root(cio.comm().rank)} "
+          f"(backend {config.backend_for('demo.cache').value})")
+    t0 = time.perf_counter()
+    with cio.ExclusiveFile("demo.cache", "w+", size_hint=nrec * rec * 8) as f:
+        bufs = [np.full(rec, float(k)) for k in range(nrec)]
+        reqs = [f.awrite(k * rec * 8, bufs[k]) for k in range(nrec)]
+        cio.waitall(reqs)
+        print(f"  wrote {nrec} records of {rec * 8 >> 20} MiB with {len(reqs)} async writes "
+              f"in {time.perf_counter() - t0:.3f} s")
+        t1 = time.perf_counter()
+        depth = 4
+        ring = [np.empty(rec) for _ in range(depth)]
+        pending = {k: f.aread(k * rec * 8, ring[k % depth]) for k in range(min(depth, nrec))}
+        total = 0.0
+        for k in range(nrec):
+            block = pending.pop(k).wait()
+            total += float(block[0]) * rec
+            assert block[-1] == float(k), "record content mismatch"
+            if k + depth < nrec:
+                pending[k + depth] = f.aread((k + depth) * rec * 8, ring[(k + depth) % depth])
+        expect = rec * nrec * (nrec - 1) / 2
+        print(f"  read them back with {depth} reads in flight in {time.perf_counter() - t1:.3f} s; "
+              f"checksum {total:.0f} (expected {expect:.0f})")
+        ok = total == expect
+        f.delete()
+    print("\nI/O report:")
+    cio.report()
+    print("\nOK" if ok else "\nFAILED: checksum mismatch")
+    return 0 if ok else 1
+
+
+def _benchmarks_dir() -> str | None:
+    import chemio_py
+    cands = [os.path.join(p, "benchmarks") for p in chemio_py.__path__]
+    cands += [os.path.join(os.path.dirname(os.path.abspath(chemio_py.__file__)), "..", "benchmarks"),
+              os.path.join(os.getcwd(), "benchmarks")]
+    for c in cands:
+        if os.path.isfile(os.path.join(c, "runner.py")):
+            return os.path.abspath(c)
+    return None
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    d = args.dir or _benchmarks_dir()
+    if d is None or not os.path.isfile(os.path.join(d, "runner.py")):
+        print("chemio bench: no benchmarks/ directory found; run it from a source checkout "
+              "or pass --dir PATH/benchmarks", file=sys.stderr)
+        return 2
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("chemio_benchmarks_runner",
+                                                  os.path.join(d, "runner.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, d)
+    spec.loader.exec_module(mod)
+    return int(mod.main(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chemio", description="chemio_py: out-of-core scratch I/O "
+                                "for computational chemistry")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="version, backends, scratch dirs, MPI, settings")
+    c = sub.add_parser("config", help="effective settings with their sources")
+    c.add_argument("names", nargs="*", help="file names to show the backend rule for")
+    cl = sub.add_parser("clean", help="remove scratch of jobs whose processes are gone")
+    cl.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    cl.add_argument("--root", action="append", help="scratch root to sweep (repeatable); "
+                    "default: every root chemio uses here")
+    d = sub.add_parser("demo", help="run the demo job and print its I/O report")
+    d.add_argument("--records", type=int, default=64, help="number of 1 MiB records")
+    b = sub.add_parser("bench", help="run the benchmark suite (options go to the runner)",
+                       add_help=False)
+    b.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    handler = {"info": cmd_info, "config": cmd_config, "clean": cmd_clean, "demo": cmd_demo}[args.cmd]
+    try:
+        return handler(args)
+    except Exception as e:
+        from .errors import ChemIOError
+        if isinstance(e, (ChemIOError, OSError)):
+            print(f"chemio {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
