@@ -122,6 +122,14 @@ class BackendUnavailableError(ChemIOError, ImportError):
         super().__init__(msg)
 
 
+class NotSharedError(ChemIOError):
+    """The shared scratch directory is not the same directory on every rank."""
+
+
+class SyncError(ChemIOError, RuntimeError):
+    """A counter or mutex was used wrongly (freed, not held, acquired twice)."""
+
+
 class CollectiveError(ChemIOError):
     """Another rank failed in a collective call; ``failures`` maps rank -> its reason."""
 
@@ -135,5 +143,5 @@ class CollectiveError(ChemIOError):
 __all__ = [
     "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
-    "BackendUnavailableError", "CollectiveError",
+    "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",
 ]

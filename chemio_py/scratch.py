@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from . import config
-from .errors import InvalidNameError, OutOfSpaceError
+from .errors import InvalidNameError, OutOfSpaceError, StorageError
 
 BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "COBALT_JOBID",
                   "FLUX_JOB_ID")
@@ -181,10 +181,15 @@ def job_dir(root: str, jobid: str | None = None) -> str:
         d = _job_dirs.get(root)
         if d is not None and jobid is None and os.path.isdir(d):
             return d
-        if not os.path.isdir(root):
-            os.makedirs(root, mode=0o700, exist_ok=True)
         d = os.path.join(root, JOB_PREFIX + (jobid or job_id()))
-        _make_private_dir(d)
+        try:
+            if not os.path.isdir(root):
+                os.makedirs(root, mode=0o700, exist_ok=True)
+            _make_private_dir(d)
+        except OSError as e:
+            raise StorageError(e.errno or errno.EIO, d, None, None, "create the job scratch directory",
+                               f"{e.strerror or e}; point CHEMIO_SCRATCH (or "
+                               f"CHEMIO_SHARED_SCRATCH) at a directory you can write") from e
         _write_lease(d)
         _job_dirs[root] = d
         return d

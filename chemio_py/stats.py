@@ -4,6 +4,11 @@ Counters per file: operations and bytes each way, seconds spent inside I/O calls
 (``io_seconds``, summed over threads) and seconds the caller was blocked waiting for I/O
 (``wait_seconds``). With ``CHEMIO_TRACE=path.json`` every I/O call becomes a trace event;
 the file is written at exit (one file per rank under MPI) or by ``write_trace()``.
+
+Pipelines (``prefetch``, ``iter_blocks``, ``WriteBehind``, ``RecordFile``) add their own
+counters (``for_pipeline``/``pipelines()``): time in I/O, time the consumer waited and the
+overlap efficiency ``1 - wait/io``, shown by ``report()``; their I/O, wait and compute spans
+go to the trace on separate tracks, and ``plot_timeline()`` draws them (matplotlib).
 """
 from __future__ import annotations
 
@@ -49,6 +54,20 @@ class FileStats:
         if _trace.on:
             _trace.event(op, "io", t0, t1, {"file": self.name, "offset": offset, "bytes": nbytes})
 
+    def record_blocking(self, op: str, nbytes: int, t0: float, t1: float, offset: int) -> None:
+        """Count a blocking call: its I/O time is also time the caller waited."""
+        with self._lock:
+            if op == "read":
+                self.reads += 1
+                self.bytes_read += nbytes
+            else:
+                self.writes += 1
+                self.bytes_written += nbytes
+            self.io_seconds += t1 - t0
+            self.wait_seconds += t1 - t0
+        if _trace.on:
+            _trace.event(op, "io", t0, t1, {"file": self.name, "offset": offset, "bytes": nbytes})
+
     def waited(self, seconds: float) -> None:
         """Count time the caller spent blocked on this file's I/O."""
         with self._lock:
@@ -76,13 +95,14 @@ def snapshot() -> dict:
         files = [s.as_dict() for s in _files.values()]
     keys = ("reads", "writes", "bytes_read", "bytes_written", "io_seconds", "wait_seconds")
     total = {k: sum(f[k] for f in files) for k in keys}
-    return {"files": files, "total": total}
+    return {"files": files, "total": total, "pipelines": pipelines()}
 
 
 def reset() -> None:
     """Forget all counters."""
     with _lock:
         _files.clear()
+        _pipelines.clear()
 
 
 def _mib(n: int) -> str:
@@ -104,6 +124,9 @@ def report(print_it: bool = True) -> str:
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     text = "\n".join(lines)
+    pipes = _pipeline_report()
+    if pipes:
+        text += "\n\n" + pipes
     if print_it:
         print(text)
     return text
@@ -192,3 +215,208 @@ def _write_trace_at_exit() -> None:
             write_trace()
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------- pipelines
+#
+# A pipeline (read-ahead or write-behind) counts, per request, the time from issue to
+# completion (``io_seconds``) and the time the consumer was blocked on it
+# (``wait_seconds``). The consumer's wait for a request lies inside that request's span,
+# so ``wait_seconds <= io_seconds`` and the overlap efficiency ``1 - wait/io`` is in [0, 1]:
+# 1 means every byte moved while the consumer computed, 0 that it waited for all of them.
+
+MAX_SPANS = 20000          # spans kept per pipeline for plot_timeline (the rest are counted)
+_pipelines: dict[str, "PipelineStats"] = {}
+
+
+class PipelineStats:
+    """Counters of one pipeline run, or (``for_pipeline``) of all runs of one name.
+
+    ``ops`` and ``bytes`` count completed requests; ``io_seconds`` sums their issue-to-
+    completion times; ``wait_seconds`` is the time the consumer was blocked on them;
+    ``compute_seconds`` the time it spent between steps. ``spans`` keeps
+    ``(track, t0, t1)`` tuples (``perf_counter`` seconds) for ``plot_timeline``.
+    """
+
+    __slots__ = ("name", "kind", "ops", "bytes", "io_seconds", "wait_seconds",
+                 "compute_seconds", "t_first", "t_last", "spans", "dropped_spans",
+                 "_parent", "_lock")
+
+    def __init__(self, name: str, kind: str, parent: "PipelineStats | None" = None):
+        self.name = name
+        self.kind = kind
+        self.ops = 0
+        self.bytes = 0
+        self.io_seconds = 0.0
+        self.wait_seconds = 0.0
+        self.compute_seconds = 0.0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.spans: list[tuple[str, float, float]] = []
+        self.dropped_spans = 0
+        self._parent = parent
+        self._lock = threading.Lock()
+
+    @property
+    def efficiency(self) -> float | None:
+        """Overlap efficiency ``1 - wait/io`` in [0, 1]; None before any I/O completed."""
+        if self.io_seconds <= 0.0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.wait_seconds / self.io_seconds))
+
+    @property
+    def wall_seconds(self) -> float:
+        """From the first issue to the last completion or step."""
+        if self.t_first is None or self.t_last is None:
+            return 0.0
+        return self.t_last - self.t_first
+
+    def _span(self, track: str, t0: float, t1: float) -> None:
+        if len(self.spans) < MAX_SPANS:
+            self.spans.append((track, t0, t1))
+        else:
+            self.dropped_spans += 1
+
+    def _stamp(self, t0: float, t1: float) -> None:
+        if self.t_first is None or t0 < self.t_first:
+            self.t_first = t0
+        if self.t_last is None or t1 > self.t_last:
+            self.t_last = t1
+
+    def op_done(self, nbytes: int, t_issue: float, t_done: float, wait: float,
+                wait_t0: float | None = None, slot: int = 0) -> None:
+        """Count one completed request (``wait`` seconds of it blocked the consumer)."""
+        with self._lock:
+            self.ops += 1
+            self.bytes += nbytes
+            self.io_seconds += t_done - t_issue
+            self.wait_seconds += wait
+            self._stamp(t_issue, t_done)
+            self._span(f"io.{slot}", t_issue, t_done)
+            if wait > 0.0 and wait_t0 is not None:
+                self._span("wait", wait_t0, wait_t0 + wait)
+        if _trace.on:
+            _trace.event(f"{self.kind} #{slot}", "io", t_issue, t_done,
+                         {"pipeline": self.name, "bytes": nbytes}, track=f"{self.name} io.{slot}")
+            if wait > 0.0 and wait_t0 is not None:
+                _trace.event("wait", "wait", wait_t0, wait_t0 + wait, {"pipeline": self.name},
+                             track=f"{self.name} wait")
+        if self._parent is not None:
+            self._parent.op_done(nbytes, t_issue, t_done, wait, wait_t0, slot)
+
+    def computed(self, t0: float, t1: float) -> None:
+        """Count consumer work between two steps of the pipeline."""
+        with self._lock:
+            self.compute_seconds += t1 - t0
+            self._stamp(t0, t1)
+            self._span("compute", t0, t1)
+        if _trace.on:
+            _trace.event("compute", "compute", t0, t1, {"pipeline": self.name},
+                         track=f"{self.name} compute")
+        if self._parent is not None:
+            self._parent.computed(t0, t1)
+
+    def as_dict(self) -> dict:
+        return {"pipeline": self.name, "kind": self.kind, "ops": self.ops, "bytes": self.bytes,
+                "io_seconds": self.io_seconds, "wait_seconds": self.wait_seconds,
+                "compute_seconds": self.compute_seconds, "wall_seconds": self.wall_seconds,
+                "efficiency": self.efficiency}
+
+    def __repr__(self) -> str:
+        eff = self.efficiency
+        return (f"<PipelineStats {self.name!r} {self.kind}: {self.ops} ops, {self.bytes} B, "
+                f"io {self.io_seconds:.4f} s, waited {self.wait_seconds:.4f} s, "
+                f"efficiency {'-' if eff is None else f'{eff:.2f}'}>")
+
+
+def for_pipeline(name: str, kind: str) -> PipelineStats:
+    """The running totals of every pipeline called ``name`` (what ``report()`` shows)."""
+    with _lock:
+        st = _pipelines.get(name)
+        if st is None:
+            st = _pipelines[name] = PipelineStats(name, kind)
+        return st
+
+
+def new_pipeline(name: str, kind: str) -> PipelineStats:
+    """Counters of one pipeline run; they also add to ``for_pipeline(name, kind)``."""
+    return PipelineStats(name, kind, parent=for_pipeline(name, kind))
+
+
+def pipelines() -> list[dict]:
+    """The pipeline totals, as plain data."""
+    with _lock:
+        return [p.as_dict() for p in _pipelines.values()]
+
+
+def _pipeline_report() -> str:
+    pipes = pipelines()
+    if not pipes:
+        return ""
+    rows = [("pipeline", "kind", "ops", "MiB", "io s", "waited s", "compute s", "overlap")]
+    for p in pipes:
+        eff = p["efficiency"]
+        rows.append((p["pipeline"], p["kind"], str(p["ops"]), _mib(p["bytes"]),
+                     f"{p['io_seconds']:.3f}", f"{p['wait_seconds']:.3f}",
+                     f"{p['compute_seconds']:.3f}", "-" if eff is None else f"{eff:.0%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+
+
+def plot_timeline(source=None, path: str | None = None, ax=None):
+    """Draw I/O, wait and compute spans as a timeline (one row per track); needs matplotlib.
+
+    ``source``: a ``PipelineStats`` (e.g. ``pipe.stats``), a list of them, a list of trace
+    events (``trace_events()``), or None for every pipeline's totals. Draws on ``ax`` when
+    given, else on a new figure; saves to ``path`` when given; returns the figure.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("plot_timeline needs matplotlib: pip install matplotlib") from e
+    tracks: dict[str, list[tuple[float, float]]] = {}
+    if source is None:
+        with _lock:
+            source = list(_pipelines.values())
+    if isinstance(source, PipelineStats):
+        source = [source]
+    t_origin = None
+    for item in source:
+        if isinstance(item, PipelineStats):
+            with item._lock:
+                spans = list(item.spans)
+            for track, t0, t1 in spans:
+                tracks.setdefault(f"{item.name} {track}", []).append((t0, t1 - t0))
+        elif isinstance(item, dict) and item.get("ph") == "X":
+            t0 = item["ts"] / 1e6
+            tracks.setdefault(str(item.get("tid")), []).append((t0, item["dur"] / 1e6))
+        else:
+            raise TypeError(f"plot_timeline cannot draw {type(item).__name__}; pass "
+                            f"PipelineStats or trace events")
+    for spans in tracks.values():
+        for t0, _ in spans:
+            t_origin = t0 if t_origin is None else min(t_origin, t0)
+    fig = None
+    if ax is None:
+        fig = Figure(figsize=(10, 0.6 + 0.35 * max(1, len(tracks))))
+        ax = fig.add_subplot(111)
+    else:
+        fig = ax.figure
+
+    def order(name: str) -> tuple:
+        kind = 0 if name.endswith("compute") else 1 if name.endswith("wait") else 2
+        return (name.rsplit(" ", 1)[0], kind, name)
+
+    names = sorted(tracks, key=order)
+    colours = {0: "tab:green", 1: "tab:red", 2: "tab:blue"}
+    for row, name in enumerate(names):
+        spans = [(t0 - (t_origin or 0.0), d) for t0, d in tracks[name]]
+        ax.broken_barh(spans, (row - 0.4, 0.8), color=colours[order(name)[1]])
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names)
+    ax.set_xlabel("seconds")
+    ax.set_title("I/O (blue), waits (red) and compute (green)")
+    if path is not None:
+        fig.savefig(path, bbox_inches="tight")
+    return fig

@@ -74,8 +74,15 @@ def _clean_scratch_after_test():
     scratch.cleanup()
     left = _leftovers(SCRATCH_ROOT)
     if left:
-        for p in left:
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+        for name in os.listdir(SCRATCH_ROOT):
+            p = os.path.join(SCRATCH_ROOT, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
         pytest.fail(f"test left files in the scratch root: {left[:10]}")
 
 

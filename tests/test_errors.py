@@ -29,18 +29,18 @@ def small_fs(tmp_path):
 
 @pytest.fixture
 def enospc_after(monkeypatch):
-    """Fault injection at the syscall: os.pwritev fails with ENOSPC past a byte budget."""
+    """Fault injection at the syscall: os.pwrite fails with ENOSPC past a byte budget."""
     def install(budget):
-        real = os.pwritev
+        real = os.pwrite
         state = {"left": budget}
 
-        def pwritev(fd, buffers, offset, *a):
-            n = sum(memoryview(b).nbytes for b in buffers)
+        def pwrite(fd, data, offset):
+            n = memoryview(data).nbytes
             if n > state["left"]:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             state["left"] -= n
-            return real(fd, buffers, offset, *a)
-        monkeypatch.setattr(local.os, "pwritev", pwritev)
+            return real(fd, data, offset)
+        monkeypatch.setattr(local.os, "pwrite", pwrite)
     return install
 
 
