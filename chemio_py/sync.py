@@ -1,0 +1,304 @@
+"""Synchronisation across processes: a global ``Counter`` and a ``Mutex``.
+
+Both are collective to create (every rank of ``comm`` calls the constructor) and to
+``free()``; every other call is independent. One interface, three implementations:
+
+* ``serial`` — a process of its own (no MPI): a thread-safe counter and lock;
+* ``mpi4py`` — ``mpi4py.util.sync.Counter`` / ``Mutex`` (mpi4py >= 4), the default under MPI;
+* ``rma`` — MPI one-sided windows used directly (atomic fetch-and-add / compare-and-swap
+  on rank 0), the fallback for an older mpi4py.
+
+``Counter`` is GA's ``nxtval`` for dynamic load balancing::
+
+    tasks = cio.sync.Counter()               # collective
+    t = tasks.next()
+    while t < ntasks:
+        do(t); t = tasks.next()
+    tasks.free()                             # collective
+
+``Mutex`` guards read-modify-write of shared data. A write must be complete before the
+mutex is released: use blocking writes or ``wait()`` for ``awrite`` inside the block::
+
+    with mutex:
+        sf.read(0, seg); seg += mine; sf.write(0, seg)
+
+The mutex is held by one thread of one process at a time and is not recursive.
+mpi4py is imported only when an MPI implementation is created.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from .comm import Comm, resolve as _resolve_comm
+from .errors import ArgumentError, SyncError
+
+IMPLEMENTATIONS = ("serial", "mpi4py", "rma")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+
+def _int64(v: Any, what: str) -> int:
+    import operator
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise ArgumentError(f"{what} must be an integer, got {type(v).__name__} {v!r}") from None
+    if not _INT64[0] <= i <= _INT64[1]:
+        raise ArgumentError(f"{what} = {i} does not fit in a signed 64-bit integer")
+    return i
+
+
+def _choose(c: Comm, impl: str | None) -> str:
+    if impl is None:
+        if c.mpi is None:
+            return "serial"
+        try:
+            import mpi4py.util.sync  # noqa: F401
+        except ImportError:
+            return "rma"
+        return "mpi4py"
+    if impl not in IMPLEMENTATIONS:
+        raise ArgumentError(f"impl {impl!r} is not one of {IMPLEMENTATIONS} (or None: automatic)")
+    if impl == "serial" and c.size > 1:
+        raise ArgumentError(f"impl 'serial' cannot synchronise {c.size} ranks; use None, "
+                            f"'mpi4py' or 'rma'")
+    if impl != "serial" and c.mpi is None:
+        raise ArgumentError(f"impl {impl!r} needs an MPI communicator, but this process runs "
+                            f"without MPI; use impl=None or 'serial'")
+    if impl == "mpi4py":
+        try:
+            import mpi4py.util.sync  # noqa: F401
+        except ImportError:
+            raise ArgumentError("impl 'mpi4py' needs mpi4py >= 4 (mpi4py.util.sync); "
+                                "pip install -U mpi4py, or use impl='rma'") from None
+    return impl
+
+
+class _Collective:
+    """Creation under agreement and a collective, idempotent free()."""
+
+    impl: str
+    _what = "object"
+
+    def _setup(self, comm: Any, impl: str | None, check=lambda: None) -> tuple[Comm, str, Any]:
+        """Check the arguments on every rank (a failure anywhere raises everywhere)."""
+        c = _resolve_comm(comm)
+        with c.agree(f"sync.{type(self).__name__}() creation"):
+            checked = check()
+            kind = _choose(c, impl)
+        self.comm = c
+        self.impl = kind
+        self._freed = False
+        self._tlock = threading.Lock()
+        return c, kind, checked
+
+    def _alive(self) -> None:
+        if self._freed:
+            raise SyncError(f"this {type(self).__name__} was freed; create a new one")
+
+    def free(self) -> None:
+        """Collective: release the MPI windows. Calling it again does nothing."""
+        if self._freed:
+            return
+        self._freed = True
+        self._free()
+
+    close = free
+
+    def _free(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+# ---------------------------------------------------------------------- Counter
+
+class Counter(_Collective):
+    """A global integer counter with atomic fetch-and-add (GA ``nxtval``).
+
+    ``Counter(start=0, *, comm=None, impl=None)`` is collective; the start value is rank 0's.
+    ``next()`` returns the current value and adds one; ``fetch_and_add(n)`` returns the
+    current value and adds ``n`` (``fetch_and_add(0)`` reads it). Values are signed 64-bit.
+    ``free()`` (also ``close()`` or leaving a ``with`` block) is collective.
+    """
+
+    def __init__(self, start: int = 0, *, comm: Any = None, impl: str | None = None):
+        c, kind, start = self._setup(comm, impl, lambda: _int64(start, "start"))
+        if kind == "serial":
+            self._value = start
+        elif kind == "mpi4py":
+            from mpi4py.util import sync
+            self._mc = sync.Counter(start, typecode="q", comm=c.mpi)
+        else:
+            self._win = _rma_window(c.mpi, start)
+
+    def next(self) -> int:
+        """The current value; the counter is incremented by one for everyone."""
+        return self.fetch_and_add(1)
+
+    def fetch_and_add(self, n: int) -> int:
+        """The current value; the counter is incremented by ``n`` for everyone, atomically."""
+        n = _int64(n, "n")
+        self._alive()
+        with self._tlock:
+            if self.impl == "serial":
+                prev = self._value
+                self._value += n
+                return prev
+            if self.impl == "mpi4py":
+                return int(self._mc.next(n))
+            return _rma_fetch_op(self._win, n, "SUM")
+
+    def _free(self) -> None:
+        if self.impl == "mpi4py":
+            self._mc.free()
+        elif self.impl == "rma":
+            self._win.Free()
+
+    def __repr__(self) -> str:
+        return f"<Counter impl={self.impl}{' freed' if self._freed else ''}>"
+
+
+# ---------------------------------------------------------------------- Mutex
+
+class Mutex(_Collective):
+    """Mutual exclusion across the ranks of ``comm`` and the threads of each rank.
+
+    ``Mutex(*, comm=None, impl=None)`` is collective. ``with mutex:`` or
+    ``acquire(blocking=True) -> bool`` / ``release()``. Not recursive: acquiring it again
+    from the thread that holds it raises ``SyncError``, as does releasing it from a thread
+    that does not hold it. ``locked()`` says whether this process holds it. ``free()`` is
+    collective and releases the mutex first if this process holds it.
+    """
+
+    def __init__(self, *, comm: Any = None, impl: str | None = None):
+        c, kind, _ = self._setup(comm, impl)
+        self._owner: int | None = None           # thread ident of the holder in this process
+        if kind == "mpi4py":
+            from mpi4py.util import sync
+            self._mm = sync.Mutex(comm=c.mpi)
+        elif kind == "rma":
+            self._win = _rma_window(c.mpi, 0)
+            self._me = c.rank + 1
+
+    def acquire(self, blocking: bool = True) -> bool:
+        """Take the mutex (waiting when ``blocking``); True when this thread now holds it."""
+        self._alive()
+        if self._owner == threading.get_ident():
+            raise SyncError("this thread already holds the Mutex (it is not recursive); "
+                            "release() it first")
+        if not self._tlock.acquire(blocking):
+            return False
+        try:
+            if self.impl == "mpi4py":
+                ok = self._mm.acquire(blocking)
+            elif self.impl == "rma":
+                ok = self._rma_acquire(blocking)
+            else:
+                ok = True
+        except BaseException:
+            self._tlock.release()
+            raise
+        if not ok:
+            self._tlock.release()
+            return False
+        self._owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        """Give the mutex up; the calling thread must hold it."""
+        self._alive()
+        if self._owner != threading.get_ident():
+            raise SyncError("release() of a Mutex this thread does not hold; call acquire() "
+                            "(or use `with mutex:`) first")
+        self._release()
+
+    def _release(self) -> None:
+        try:
+            if self.impl == "mpi4py":
+                self._mm.release()
+            elif self.impl == "rma":
+                prev = _rma_fetch_op(self._win, 0, "REPLACE")
+                if prev != self._me:
+                    raise SyncError(f"Mutex word held {prev}, expected this rank's {self._me}: "
+                                    f"the mutex state is corrupt")
+        finally:
+            self._owner = None
+            self._tlock.release()
+
+    def locked(self) -> bool:
+        """True when a thread of this process holds the mutex."""
+        return self._owner is not None
+
+    def _rma_acquire(self, blocking: bool) -> bool:
+        import numpy as np
+        from mpi4py import MPI
+        mine = np.array([self._me], dtype=np.int64)
+        free = np.zeros(1, dtype=np.int64)
+        got = np.zeros(1, dtype=np.int64)
+        delay = 1e-6
+        while True:
+            self._win.Lock(0, MPI.LOCK_SHARED)
+            self._win.Compare_and_swap(mine, free, got, 0, 0)
+            self._win.Unlock(0)
+            if got[0] == 0:
+                return True
+            if not blocking:
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def __enter__(self) -> "Mutex":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _free(self) -> None:
+        if self._owner is not None:
+            self._release()
+        if self.impl == "mpi4py":
+            self._mm.free()
+        elif self.impl == "rma":
+            self._win.Free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self._freed else ("held here" if self.locked() else "not held here")
+        return f"<Mutex impl={self.impl} {state}>"
+
+
+# ---------------------------------------------------------------------- raw RMA helpers
+
+def _rma_window(mpi_comm: Any, start: int) -> Any:
+    """A window of one int64 on rank 0 (none elsewhere), set to ``start``. Collective."""
+    import numpy as np
+    from mpi4py import MPI
+    rank = mpi_comm.Get_rank()
+    win = MPI.Win.Allocate(8 if rank == 0 else 0, 8, comm=mpi_comm)
+    if rank == 0:
+        win.Lock(0, MPI.LOCK_EXCLUSIVE)
+        win.Put(np.array([start], dtype=np.int64), 0)
+        win.Unlock(0)
+    mpi_comm.Barrier()
+    return win
+
+
+def _rma_fetch_op(win: Any, value: int, op: str) -> int:
+    import numpy as np
+    from mpi4py import MPI
+    arg = np.array([value], dtype=np.int64)
+    prev = np.zeros(1, dtype=np.int64)
+    win.Lock(0, MPI.LOCK_SHARED)
+    win.Fetch_and_op(arg, prev, 0, 0, getattr(MPI, op))
+    win.Unlock(0)
+    return int(prev[0])
+
+
+__all__ = ["Counter", "Mutex", "SyncError", "IMPLEMENTATIONS"]
