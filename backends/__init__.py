@@ -32,6 +32,8 @@ ENTRY_POINT_GROUP = "chemio_py.backends"
 # name -> "module:attribute" of the backend class, imported on first use.
 BUILTIN: dict[str, str] = {
     "local": "chemio_py.backends.local:LocalBackend",
+    "shm": "chemio_py.backends.shm:ShmBackend",
+    "auto": "chemio_py.backends.auto:AutoBackend",
 }
 
 _lock = threading.Lock()
@@ -48,6 +50,30 @@ class ByteStore(Protocol):
     def size(self) -> int: ...
     def truncate(self, n: int) -> None: ...
     def reserve(self, n: int) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ArrayStore(Protocol):
+    """The data of one DiskArray, opened by ``backend.open_array(path, mode, shape=, dtype=,
+    chunks=)``. ``region`` is a tuple of ``slice(start, stop)`` inside ``shape``; ``out`` /
+    ``data`` are NumPy arrays of the region's shape and the array's dtype (possibly strided
+    views, last axis contiguous). The user layer checks bounds, dtypes and modes, splits
+    sections into tasks and synchronises ranks; ``read_all``/``write_all`` may do true
+    collective I/O over ``comm`` (default: the independent calls). ``byte_addressable``
+    says a write touches only the region's bytes (no read-modify-write of whole chunks).
+    Optional: ``read_cached(region, out) -> bool`` fills ``out`` only when that needs no
+    device I/O (e.g. every page cached) and says whether it did."""
+    path: str
+    shape: tuple
+    chunks: tuple
+    byte_addressable: bool
+
+    def read(self, region: tuple, out: Any) -> Any: ...
+    def write(self, region: tuple, data: Any) -> None: ...
+    def read_all(self, region: tuple, out: Any, comm: Any = None) -> Any: ...
+    def write_all(self, region: tuple, data: Any, comm: Any = None) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 

@@ -87,6 +87,24 @@ def _address(mv: memoryview) -> int:
     return np.frombuffer(mv, dtype=np.uint8).ctypes.data if len(mv) else 0
 
 
+def open_checked(path: str, flags: int, mode: str) -> int:
+    """``os.open`` with errors that say what to do (missing, existing, too many open files)."""
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"no such file (mode {mode!r} opens an existing "
+                                f"file; use 'w+' to create it)", path) from None
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"file exists (mode 'x+' creates a new file; use "
+                              f"'r+' to open it or 'w+' to replace it)", path) from None
+    except OSError as e:
+        hint = {errno.EMFILE: "this process has too many open files: close files or raise "
+                              "the limit (ulimit -n)",
+                errno.ELOOP: "the path is a symbolic link, which scratch files never follow",
+                errno.EACCES: "no permission: choose a scratch directory you can write"}
+        raise StorageError(e.errno, path, None, None, "open", hint.get(e.errno, "")) from e
+
+
 class LocalByteStore:
     """A byte-addressable POSIX file (see ``chemio_py.backends`` for the protocol)."""
 
@@ -110,18 +128,18 @@ class LocalByteStore:
         """Fill ``out`` from ``offset``; returns the bytes read (fewer only at end of file)."""
         mv = _bytes_view(out, writable=True)
         n = len(mv)
-        fd = self._fd_for(mv, offset)
-        done = 0
+        fd = self._fd if self._dfd is None else self._fd_for(mv, offset)
         try:
+            done = os.preadv(fd, (mv,), offset)
             while done < n:
-                k = os.preadv(fd, [mv[done:]], offset + done)
+                k = os.preadv(fd, (mv[done:],), offset + done)
                 if k == 0:
                     break
                 done += k
         except OSError as e:
             if e.errno == errno.EINVAL and fd == self._dfd:
                 self._dfd = None            # the file system refused O_DIRECT after all
-                return done + self.pread(offset + done, mv[done:])
+                return self.pread(offset, mv)
             raise StorageError(e.errno, self.path, offset, n, "read") from e
         return done
 
@@ -129,17 +147,18 @@ class LocalByteStore:
         """Write all of ``data`` at ``offset`` (extending the file); returns its length."""
         mv = _bytes_view(data, writable=False)
         n = len(mv)
-        fd = self._fd_for(mv, offset)
+        fd = self._fd if self._dfd is None else self._fd_for(mv, offset)
         done = 0
         try:
+            done = os.pwrite(fd, mv, offset)
             while done < n:
-                done += os.pwritev(fd, [mv[done:]], offset + done)
+                done += os.pwrite(fd, mv[done:], offset + done)
         except OSError as e:
             if e.errno in _SPACE_ERRNOS:
                 raise OutOfSpaceError(self.path, n - done, self._free(), what="write") from e
             if e.errno == errno.EINVAL and fd == self._dfd:
                 self._dfd = None
-                return done + self.pwrite(offset + done, mv[done:])
+                return self.pwrite(offset, mv)
             raise StorageError(e.errno, self.path, offset, n, "write") from e
         return n
 
@@ -228,7 +247,7 @@ class LocalBackend:
         if mode not in _MODES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
         flags = _MODES[mode] | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        fd = open_checked(path, flags, mode)
         try:
             st = os.fstat(fd)
             if not _stat.S_ISREG(st.st_mode):
@@ -257,3 +276,393 @@ class LocalBackend:
             return True
         except FileNotFoundError:
             return False
+
+    # ------------------------------------------------------------ the ArrayStore half
+    def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
+                   reserve: bool = True, perms: int = 0o600) -> "LocalArrayStore":
+        """Open the data file of an array in the raw grid format (``chemio_py.layout``).
+
+        ``w+``/``x+`` create it at its full size (holes read as zero) after a free-space
+        check and, with ``reserve``, allocate its blocks up front (``OutOfSpaceError`` now
+        rather than half-way). ``r``/``r+`` require the file to have exactly the array's size.
+        """
+        from chemio_py.errors import MetadataError
+        from chemio_py.layout import Layout
+        if mode not in _MODES:
+            raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
+        layout = Layout(shape, chunks, np.dtype(dtype).itemsize)
+        create = mode in ("w+", "x+")
+        if create:
+            have = 0
+            try:
+                have = os.stat(path, follow_symlinks=False).st_blocks * 512
+            except OSError:
+                pass
+            scratch.check_space(path, layout.nbytes - have,
+                                what=f"array of {layout.nbytes} bytes")
+        flags = _MODES[mode] | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, perms)
+        try:
+            st = os.fstat(fd)
+            if not _stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{path!r} is not a regular file", path)
+            if create:
+                try:
+                    os.ftruncate(fd, layout.nbytes)
+                except OSError as e:
+                    raise StorageError(e.errno, path, None, layout.nbytes, "truncate") from e
+                if reserve and layout.nbytes:
+                    err = _fallocate_keep_size(fd, layout.nbytes)
+                    if err in _SPACE_ERRNOS:
+                        raise OutOfSpaceError(path, layout.nbytes, scratch.stat(path).free,
+                                              what="reserve the array")
+            elif st.st_size != layout.nbytes:
+                raise MetadataError(
+                    f"data file {path!r} has {st.st_size} bytes but the array's metadata "
+                    f"(shape {layout.shape}, {np.dtype(dtype)}) needs {layout.nbytes}; the file "
+                    f"was truncated or belongs to another array: restore it or recreate the array")
+        except BaseException:
+            os.close(fd)
+            if create:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise
+        return LocalArrayStore(path, fd, mode != "r", layout, np.dtype(dtype))
+
+
+_sieve: list[memoryview] = []
+_PREFETCH_GAP_PAGES = 16        # partial pages closer than this are fetched in one request
+_BIG_SEGMENT = 1 << 20          # runs this long on average use preadv/pwritev, cached or not
+_IN_PLACE_FS = ("ext2", "ext3", "ext4", "xfs", "tmpfs")   # overwrite allocated blocks in place
+
+
+def _sieve_buffer(n: int) -> memoryview:
+    """A scratch buffer that reads fill with the bytes of holes nobody asked for.
+
+    One buffer for every thread: its content is never looked at."""
+    if not n:
+        return memoryview(b"")
+    if not _sieve or len(_sieve[0]) < n:
+        _sieve[:] = [memoryview(bytearray(n))]
+    return _sieve[0]
+
+
+def _byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
+    """A flat byte view of the memory array ``a`` spans; None when its strides do not allow."""
+    isz = a.itemsize
+    if any(s < 0 or s % isz for s in a.strides):
+        return None
+    span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // isz + 1
+    flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(isz,),
+                                           writeable=writable and a.flags.writeable)
+    return memoryview(flat.view(np.uint8))
+
+
+class LocalArrayStore:
+    """A DiskArray's data: one POSIX file in the raw grid format (see ``chemio_py.layout``).
+
+    ``read(region, out)`` / ``write(region, data)`` move a region (tuple of step-1 slices
+    inside the shape) between the file and a NumPy array of the region's shape, which may
+    be a strided view: each contiguous byte run of the file is one ``preadv``/``pwritev``
+    whose vectors point into that array. A write touches only the region's bytes, so
+    writers of disjoint regions never disturb each other, even inside one chunk
+    (``byte_addressable``). Thread-safe for disjoint regions. ``read_all`` / ``write_all``
+    are independent I/O here; the caller synchronises the ranks.
+    """
+
+    byte_addressable = True
+
+    def __init__(self, path: str, fd: int, writable: bool, layout: Any, dtype: Any = None):
+        self.path = path
+        self._fd = fd
+        self.writable = writable
+        self.layout = layout
+        self.shape = layout.shape
+        self.chunks = layout.chunks
+        self.dtype = np.dtype(dtype if dtype is not None else f"V{layout.itemsize}")
+        import threading
+        self._map: Any = None                      # (mmap, uint8 view, address), on demand
+        self._map_lock = threading.Lock()
+        self._map_write_ok: bool | None = None
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def _check(self, region: Any, arr: np.ndarray) -> None:
+        want = tuple(s.stop - s.start for s in region)
+        if tuple(arr.shape) != want:
+            raise ValueError(f"buffer shape {arr.shape} does not match region {want}")
+
+    def _vector_io(self, write: bool, offset: int, views: list, total: int) -> None:
+        fn = os.pwritev if write else os.preadv
+        i, first = 0, offset
+        try:
+            k = fn(self._fd, views, offset)
+            if k == total:
+                return                              # the usual case: all in one call
+            while True:
+                if k <= 0:
+                    raise OSError(errno.EIO, "no progress (end of file?)")
+                offset += k
+                while i < len(views) and k >= len(views[i]):
+                    k -= len(views[i])
+                    i += 1
+                if i == len(views):
+                    return
+                if k:
+                    views[i] = views[i][k:]
+                k = fn(self._fd, views[i:], offset)
+        except OSError as e:
+            op = "write" if write else "read"
+            if write and e.errno in _SPACE_ERRNOS:
+                raise OutOfSpaceError(self.path, total - (offset - first), None, what=op) from e
+            hint = "" if e.errno != errno.EIO or write else \
+                "the data file is shorter than the array: it was truncated behind chemio's back"
+            raise StorageError(e.errno or errno.EIO, self.path, first, total, op, hint) from e
+
+    def _move(self, write: bool, region: Any, arr: np.ndarray) -> None:
+        if arr.size == 0:
+            return
+        base = _byte_span(arr, writable=not write)
+        if base is None:                          # odd strides: go through a C-ordered copy
+            tmp = np.ascontiguousarray(arr)
+            self._move(write, region, tmp)
+            if not write:
+                arr[...] = tmp
+            return
+        from chemio_py.layout import SIEVE_HOLE
+        sieve = 0 if write else SIEVE_HOLE
+        trash = _sieve_buffer(sieve)
+        runs = self.layout.runs(region, arr.strides, sieve=sieve)
+        if write:
+            self._prefetch_partial_pages(runs)
+        for off, moffs, lens in runs:
+            views = [base[m:m + n] if m >= 0 else trash[:n] for m, n in zip(moffs, lens)]
+            self._vector_io(write, off, views, sum(lens))
+
+    def _prefetch_partial_pages(self, runs: list) -> None:
+        """Ask the kernel to read, in bulk and ahead, the pages a write covers only in part.
+
+        The kernel must read such a page before it can change some of its bytes; left to
+        the writes, that is one synchronous read per page. Nearby pages go in one request.
+        """
+        pages = []
+        for off, _, lens in runs:
+            end = off + sum(lens)
+            if off % mmap.PAGESIZE:
+                pages.append(off // mmap.PAGESIZE)
+            if end % mmap.PAGESIZE:
+                pages.append(end // mmap.PAGESIZE)
+        if not pages:
+            return
+        p = np.unique(np.array(pages, dtype=np.int64))
+        cut = np.flatnonzero(np.diff(p) > _PREFETCH_GAP_PAGES) + 1
+        for grp in np.split(p, cut):
+            try:
+                os.posix_fadvise(self._fd, int(grp[0]) * mmap.PAGESIZE,
+                                 (int(grp[-1]) - int(grp[0]) + 1) * mmap.PAGESIZE,
+                                 _ADVICE["willneed"])
+            except OSError:
+                return
+
+    def read(self, region: Any, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` (the region's shape, this array's dtype) from the file; returns it.
+
+        When every page the region needs is in the page cache and its runs are short, the
+        bytes are copied through a mapping of the file (no system call per run); otherwise
+        with ``preadv``.
+        """
+        self._check(region, out)
+        if out.size and not self.read_cached(region, out):
+            self._move(False, region, out)
+        return out
+
+    def write(self, region: Any, data: np.ndarray) -> None:
+        """Write ``data`` (the region's shape, this array's dtype) into the region.
+
+        Short runs whose pages are all cached are copied through a shared mapping when the
+        file's blocks are allocated on a file system that overwrites in place (so a store
+        through the mapping cannot meet a full disk); otherwise ``pwritev``.
+        """
+        if not self.writable:
+            raise StorageError(errno.EBADF, self.path, None, None, "write",
+                               "the array store is open read-only")
+        self._check(region, data)
+        if data.size and not (self._short_runs(region, data) and self._map_writes_safe()
+                              and self._copy_resident(region, data, True)):
+            self._move(True, region, data)
+
+    # ------------------------------------------------------------ page-cache fast path
+    def read_cached(self, region: Any, out: np.ndarray) -> bool:
+        """Fill ``out`` from the page cache if every page of ``region`` is there (True);
+        otherwise do nothing and return False (the caller then uses ``read``)."""
+        self._check(region, out)
+        if out.size == 0:
+            return True
+        return self._short_runs(region, out) and self._copy_resident(region, out, False)
+
+    def _short_runs(self, region: Any, arr: np.ndarray) -> bool:
+        """True when the region's contiguous runs average under ``_BIG_SEGMENT`` bytes
+        (for long runs one system call each copies at least as fast as a mapping)."""
+        _, _, lens = self.layout.segments(region, arr.strides)
+        return bool(lens.size) and lens.sum() < _BIG_SEGMENT * lens.size
+
+    def _map_writes_safe(self) -> bool:
+        if self._map_write_ok is None:
+            ok = False
+            try:
+                allocated = os.fstat(self._fd).st_blocks * 512 >= self.layout.nbytes
+                ok = allocated and scratch.fstype(self.path) in _IN_PLACE_FS
+            except OSError:
+                pass
+            self._map_write_ok = ok
+        return self._map_write_ok
+
+    def _mapping(self) -> tuple | None:
+        if self._map is None and self.layout.nbytes and self._fd >= 0:
+            with self._map_lock:
+                if self._map is None:
+                    prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+                    try:
+                        mm = mmap.mmap(self._fd, self.layout.nbytes, mmap.MAP_SHARED, prot)
+                    except (OSError, ValueError):
+                        return None
+                    view = np.frombuffer(mm, dtype=np.uint8)
+                    self._map = (mm, view, view.ctypes.data)
+        return self._map
+
+    def _copy_resident(self, region: Any, arr: np.ndarray, write: bool) -> bool:
+        """Copy between ``region`` and ``arr`` through the mapping, if every page the
+        region touches is in the page cache (so no access can fault on the device)."""
+        if arr.dtype != self.dtype or not _mincore_ok():
+            return False
+        m = self._mapping()
+        if m is None or (write and not self.writable):
+            return False
+        _, view, addr = m
+        lay, isz, page = self.layout, self.dtype.itemsize, mmap.PAGESIZE
+        spans = []
+        for p in lay.pieces(region):
+            st = _c_strides_local(p.extent, isz)
+            local = [a - i * c for a, i, c in zip(p.start, p.index, lay.chunks)]
+            first = p.offset + sum(l * s for l, s in zip(local, st))
+            last = p.offset + sum((l + k - 1) * s for l, k, s in zip(local, p.shape, st)) + isz
+            spans.append((p, first, last))
+        lo = spans[0][1] // page
+        hi = -(-max(b for _, _, b in spans) // page)
+        vec = _mincore(addr + lo * page, (hi - lo) * page)
+        if vec is None:
+            return False
+        for _, a, b in spans:
+            if not vec[a // page - lo: -(-b // page) - lo].all():
+                return False
+        r0 = [s.start for s in region]
+        try:
+            for p, _, _ in spans:
+                n = 1
+                for e in p.extent:
+                    n *= e
+                chunk = view[p.offset:p.offset + n * isz].view(self.dtype).reshape(p.extent)
+                inner = tuple(slice(a - i * c, a - i * c + k) for a, i, c, k
+                              in zip(p.start, p.index, lay.chunks, p.shape))
+                mine = tuple(slice(a - r, a - r + k) for a, r, k in zip(p.start, r0, p.shape))
+                if write:
+                    chunk[inner] = arr[mine]
+                else:
+                    arr[mine] = chunk[inner]
+        finally:
+            # Unmap what we touched (the page cache keeps it, dirty pages stay dirty):
+            # mapped pages would otherwise stay pinned in this process and escape
+            # posix_fadvise(DONTNEED) evictions.
+            try:
+                m[0].madvise(mmap.MADV_DONTNEED, lo * page, (hi - lo) * page)
+            except (OSError, ValueError, AttributeError):
+                pass
+        return True
+
+    def read_all(self, region: Any, out: np.ndarray, comm: Any = None) -> np.ndarray:
+        return self.read(region, out)
+
+    def write_all(self, region: Any, data: np.ndarray, comm: Any = None) -> None:
+        self.write(region, data)
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def allocated(self) -> int:
+        return os.fstat(self._fd).st_blocks * 512
+
+    def flush(self) -> None:
+        """Make written data durable (fdatasync)."""
+        if not self.writable:
+            return
+        try:
+            os.fdatasync(self._fd)
+        except OSError as e:
+            raise StorageError(e.errno, self.path, None, None, "flush") from e
+
+    def evict(self) -> None:
+        """Drop the file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
+        if self.writable:
+            os.fsync(self._fd)
+        os.posix_fadvise(self._fd, 0, 0, _ADVICE["dontneed"])
+
+    def close(self) -> None:
+        m, self._map = self._map, None
+        if m is not None:
+            mm = m[0]
+            del m
+            try:
+                mm.close()
+            except BufferError:             # a view is still alive somewhere: let GC unmap
+                pass
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _c_strides_local(extent: Any, itemsize: int) -> list[int]:
+    st = [0] * len(extent)
+    acc = itemsize
+    for k in range(len(extent) - 1, -1, -1):
+        st[k] = acc
+        acc *= extent[k]
+    return st
+
+
+_mincore_fn: list[Any] = []
+
+
+def _mincore_ok() -> bool:
+    if not _mincore_fn:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _mincore_fn.append(fn)
+        except (OSError, AttributeError):
+            _mincore_fn.append(None)
+    return _mincore_fn[0] is not None
+
+
+def _mincore(addr: int, length: int) -> np.ndarray | None:
+    """Residency (one byte per page, bit 0 set = in the page cache) of a mapped range."""
+    vec = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
+    if _mincore_fn[0](addr, length, vec.ctypes.data) != 0:
+        return None
+    return vec & 1

@@ -1,0 +1,346 @@
+"""DRA benchmark after the ChemIO DRA microbenchmark, scaled to this machine.
+
+An 8000 x 8000 float64 disk array (512 MB; quick mode 2000 x 2000, 32 MB) with the default
+layout (chunks 500 x 1000 = 4 MB). A 4000 x 4000 section (quick: 1000 x 1000) is written and
+read back, once aligned (it starts at (0, 0), on chunk boundaries) and once not aligned
+(it starts at (250, 750)). Each write is made durable (data sync) inside its timing; each
+cold read follows an eviction of the files from the page cache (fsync + fadvise DONTNEED);
+the hot read repeats it with the pages cached. Reads land in one preallocated array.
+
+Methods, on the same data in the same run, interleaved in rotating order:
+
+* ``DRA`` — ``cio.DiskArray`` (local backend), ``write`` + ``flush`` / ``read(sec, out)``;
+  also ``DRA hinted``, created with ``request_shape`` = the section shape (informational: an
+  aligned section is then one contiguous range; with the default 4 MB chunks a section
+  covers half of each chunk row, so its reads skip every other 16 MB of the file);
+* ``raw`` — sequential ``os.pwritev`` of the same number of bytes into a preallocated file
+  (4 MiB calls) + ``fdatasync``, and sequential ``os.preadv`` of them into the same
+  destination array: the device limit as this process sees it;
+* ``numpy.memmap`` of the array as a plain C-ordered file (``flush`` + fsync after writes);
+* ``h5py`` — a chunked dataset with the same chunk shape, no compression (file fsync'ed);
+* ``zarr`` — v3 array with the same chunks, no compression (every chunk file fsync'ed).
+
+Targets (from the issue): DRA cold aligned read >= 0.8x raw, cold non-aligned >= 0.6x;
+writes >= 0.8x raw; DRA faster than each of memmap, h5py and zarr in every case (>= 1x).
+fio's O_DIRECT sequential read (1 MiB, QD16) of the same bytes is reported when installed.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MiB, evict, fio_available, mib_s, row, run_fio  # noqa: E402
+
+FULL = dict(n=8000, s=4000, reps=3)
+QUICK = dict(n=2000, s=1000, reps=3)
+OFFSET = (250, 750)
+RAW_CALL = 4 * MiB
+
+
+def _fsync(*paths: str) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for d, _, names in os.walk(path):
+        out += [os.path.join(d, n) for n in names]
+    return out
+
+
+class _Method:
+    name = "?"
+
+    def files(self) -> list[str]:
+        raise NotImplementedError
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def open_for_read(self) -> None:
+        pass
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def close_after_read(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _DRA(_Method):
+    name = "DRA"
+
+    def __init__(self, workdir: str, n: int, request_shape: tuple | None = None):
+        import chemio_py as cio
+        if request_shape is not None:
+            self.name = "DRA hinted"
+        self.d = cio.DiskArray.create("bench", (n, n), "f8", request_shape=request_shape,
+                                      path=os.path.join(workdir, f"{self.name[4:] or 'a'}.dra"))
+
+    def files(self) -> list[str]:
+        return [self.d.path]
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        self.d.write(sec, x)
+        self.d.flush()
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        self.d.read(sec, out)
+
+    def close(self) -> None:
+        self.d.delete()
+
+
+class _Raw(_Method):
+    name = "raw"
+
+    def __init__(self, workdir: str, nbytes: int):
+        self.path = os.path.join(workdir, "raw.bin")
+        self.nbytes = nbytes
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+
+    def files(self) -> list[str]:
+        return [self.path]
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        mv = memoryview(x.reshape(-1).view(np.uint8))
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            for off in range(0, self.nbytes, RAW_CALL):
+                part = mv[off:off + RAW_CALL]
+                while len(part):
+                    k = os.pwritev(fd, [part], off)
+                    part, off = part[k:], off + k
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        mv = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for off in range(0, self.nbytes, RAW_CALL):
+                part = mv[off:off + RAW_CALL]
+                while len(part):
+                    k = os.preadv(fd, [part], off)
+                    if k == 0:
+                        raise EOFError(self.path)
+                    part, off = part[k:], off + k
+        finally:
+            os.close(fd)
+
+
+class _Memmap(_Method):
+    name = "numpy.memmap"
+
+    def __init__(self, workdir: str, n: int):
+        self.path = os.path.join(workdir, "memmap.bin")
+        self.shape = (n, n)
+        np.memmap(self.path, dtype="f8", mode="w+", shape=self.shape).flush()
+        self.mm = None
+
+    def files(self) -> list[str]:
+        return [self.path]
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        mm = np.memmap(self.path, dtype="f8", mode="r+", shape=self.shape)
+        mm[sec] = x
+        mm.flush()
+        del mm
+        _fsync(self.path)
+
+    def open_for_read(self) -> None:
+        self.mm = np.memmap(self.path, dtype="f8", mode="r", shape=self.shape)
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        np.copyto(out, self.mm[sec])
+
+    def close_after_read(self) -> None:
+        self.mm = None
+
+
+class _H5(_Method):
+    name = "h5py"
+
+    def __init__(self, workdir: str, n: int, chunks: tuple):
+        import h5py
+        self.h5py = h5py
+        self.path = os.path.join(workdir, "a.h5")
+        with h5py.File(self.path, "w") as f:
+            f.create_dataset("a", shape=(n, n), dtype="f8", chunks=chunks)
+        self.f = None
+
+    def files(self) -> list[str]:
+        return [self.path]
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        with self.h5py.File(self.path, "r+") as f:
+            f["a"].write_direct(x, dest_sel=sec)
+        _fsync(self.path)
+
+    def open_for_read(self) -> None:
+        self.f = self.h5py.File(self.path, "r")
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        self.f["a"].read_direct(out, source_sel=sec)
+
+    def close_after_read(self) -> None:
+        self.f.close()
+        self.f = None
+
+
+class _Zarr(_Method):
+    name = "zarr"
+
+    def __init__(self, workdir: str, n: int, chunks: tuple):
+        import zarr
+        self.zarr = zarr
+        self.path = os.path.join(workdir, "a.zarr")
+        zarr.create_array(store=self.path, shape=(n, n), chunks=chunks, dtype="f8",
+                          compressors=None, fill_value=0.0)
+        self.z = None
+
+    def files(self) -> list[str]:
+        return _files_under(self.path)
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        z = self.zarr.open_array(self.path, mode="r+")
+        z[sec] = x
+        _fsync(*self.files())
+
+    def open_for_read(self) -> None:
+        self.z = self.zarr.open_array(self.path, mode="r")
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        out[...] = self.z[sec]
+
+    def close_after_read(self) -> None:
+        self.z = None
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(quick: bool, workdir: str) -> list[dict]:
+    cfg = QUICK if quick else FULL
+    n, s, reps = cfg["n"], cfg["s"], cfg["reps"]
+    nbytes = s * s * 8
+    x = np.random.default_rng(0).standard_normal((s, s))
+    out = np.zeros((s, s))
+    cases = {"aligned": (slice(0, s), slice(0, s)),
+             "non-aligned": (slice(OFFSET[0], OFFSET[0] + s), slice(OFFSET[1], OFFSET[1] + s))}
+
+    methods: list[_Method] = []
+    notes = []
+    dra = _DRA(workdir, n)
+    chunks = dra.d.chunks
+    methods += [dra, _DRA(workdir, n, request_shape=(s, s)), _Raw(workdir, nbytes),
+                _Memmap(workdir, n)]
+    for cls in (_H5, _Zarr):
+        try:
+            methods.append(cls(workdir, n, chunks))
+        except ImportError as e:
+            notes.append(f"{cls.name} skipped ({e})")
+    times: dict[tuple, list[float]] = {}
+    try:
+        for rep in range(reps):
+            order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+            for case, sec in cases.items():
+                for m in order:
+                    times.setdefault((m.name, "write", case), []).append(
+                        _timed(lambda: m.write(sec, x)))
+                for m in order:
+                    evict(*m.files())
+                    m.open_for_read()
+                    out[...] = 0.0
+                    t = _timed(lambda: m.read(sec, out))
+                    if rep == 0 and not np.array_equal(out, x):
+                        raise AssertionError(f"{m.name} read back other data ({case})")
+                    times.setdefault((m.name, "cold read", case), []).append(t)
+                    t = _timed(lambda: m.read(sec, out))
+                    times.setdefault((m.name, "hot read", case), []).append(t)
+                    m.close_after_read()
+        fio_mib = None
+        if fio_available():
+            raw = next(m for m in methods if m.name == "raw")
+            for engine in ("libaio", "psync"):
+                try:
+                    res = run_fio(name="seqread", filename=raw.path, rw="read", bs="1m",
+                                  size=str(nbytes), direct=1, ioengine=engine,
+                                  iodepth=16 if engine == "libaio" else 1)
+                    fio_mib = res["read_mib_s"]
+                    fio_engine = engine
+                    break
+                except RuntimeError:
+                    continue
+    finally:
+        for m in methods:
+            m.close()
+
+    def bw(name: str, op: str, case: str) -> float | None:
+        t = times.get((name, op, case))
+        return None if not t else mib_s(nbytes, statistics.median(t))
+
+    size = f"{s}x{s} of {n}x{n} f8, chunks {chunks[0]}x{chunks[1]}"
+    rows = []
+    targets = {("write", "aligned"): 0.8, ("write", "non-aligned"): 0.8,
+               ("cold read", "aligned"): 0.8, ("cold read", "non-aligned"): 0.6}
+    for op in ("write", "cold read", "hot read"):
+        for case in cases:
+            mine = bw("DRA", op, case)
+            base = "raw pwritev (preallocated, seq)" if op == "write" else "raw preadv (seq)"
+            rows.append(row(f"DRA {op} {case}", "MiB/s", mine, base, bw("raw", op, case),
+                            target=targets.get((op, case)),
+                            note=f"{size}; median of {reps}"))
+            rows.append(row(f"DRA (request_shape={s}x{s}) {op} {case}", "MiB/s",
+                            bw("DRA hinted", op, case), base, bw("raw", op, case),
+                            note=f"one {s}x{s} chunk per aligned section; median of {reps}"))
+    for op in ("write", "cold read", "hot read"):
+        for case in cases:
+            for other in ("numpy.memmap", "h5py", "zarr"):
+                theirs = bw(other, op, case)
+                if theirs is None:
+                    continue
+                rows.append(row(f"DRA vs {other}: {op} {case}", "MiB/s", bw("DRA", op, case),
+                                other, theirs, target=1.0, note=f"{size}; median of {reps}"))
+    if fio_mib is not None:
+        rows.append(row("fio seq read (O_DIRECT, 1 MiB)", "MiB/s", fio_mib, None, None,
+                        note=f"{nbytes // MiB} MiB, ioengine {fio_engine}: the device alone"))
+        rows.append(row("DRA cold read aligned vs fio", "MiB/s", bw("DRA", "cold read", "aligned"),
+                        "fio seq read", fio_mib, note="informational"))
+    for note in notes:
+        rows.append(row("skipped", "-", 0.0, note=note))
+    return rows
+
+
+if __name__ == "__main__":
+    import tempfile
+    quick = "--full" not in sys.argv
+    with tempfile.TemporaryDirectory(prefix="bench-dra-") as d:
+        for r in run(quick, d):
+            ratio = "" if r["ratio"] is None else f"  x{r['ratio']:.2f}"
+            tgt = "" if r["target"] is None else f" (target {r['target']})"
+            print(f"{r['case']:<42} {r['value']:9.1f} {r['metric']}{ratio}{tgt}")

@@ -1,0 +1,749 @@
+"""Disk Resident Arrays: N-d arrays on disk, moved to and from memory in sections.
+
+    >>> import numpy as np, chemio_py as cio
+    >>> d = cio.DiskArray.create("demo", (6, 4), "f8")       # collective; scratch array
+    >>> d[1:3, :] = np.ones((2, 4))                            # blocking write of a section
+    >>> float(d[0:4, 1].sum())                                 # unwritten elements read 0
+    2.0
+    >>> d.close()                                              # a scratch array vanishes
+
+A section is a tuple of step-1 slices (or ints, which drop their axis) inside the shape.
+Sections become chunk pieces and each piece byte runs (``chemio_py.layout``); the pieces go
+to the I/O pool in parallel and the bytes land straight in the caller's array.
+``create``/``open``/``close``/``delete``/``read_all``/``write_all`` are collective over the
+communicator (``cio.comm()`` unless ``comm=``): a failure on one rank raises on every rank.
+Everything else is independent. See DESIGN §3 for the contract.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+import socket
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+import chemio_py.backends as _backends
+
+from . import config, layout as _layout, meta as _meta, requests, scratch, stats
+from .comm import Comm, resolve as _resolve_comm
+from .errors import (ArgumentError, BackendUnavailableError, ChemIOError, MetadataError,
+                     ModeError, NotSharedError, SectionError)
+
+SUFFIX = ".dra"
+META_SUFFIX = ".json"
+TASK_MIN = 4 << 20            # a task of the I/O pool moves at least this much (if there is)
+TASK_MAX = 16 << 20           # ... and at most about this much
+
+
+# ---------------------------------------------------------------- sections
+
+def _norm_index(k: Any, n: int, axis: int, key: Any, shape: tuple) -> tuple[slice, bool]:
+    """(slice, squeezed) for one entry of a section."""
+    if isinstance(k, slice):
+        if k.step not in (None, 1):
+            raise SectionError(
+                f"section {key!r}: axis {axis} has step {k.step!r}; DiskArray moves step-1 "
+                f"sections only: read the step-1 section and slice it in memory")
+        start, stop = k.start, k.stop
+        for v, what in ((start, "start"), (stop, "stop")):
+            if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__")):
+                raise SectionError(f"section {key!r}: axis {axis} {what} {v!r} is not an int")
+        start = 0 if start is None else operator.index(start)
+        stop = n if stop is None else operator.index(stop)
+        if start < 0:
+            start += n
+        if stop < 0:
+            stop += n
+        if not 0 <= start <= stop <= n:
+            raise SectionError(
+                f"section {key!r}: axis {axis} asks for [{k.start}:{k.stop}] but the array "
+                f"has {n} elements there (shape {shape}); use 0 <= start <= stop <= {n}")
+        return slice(start, stop), False
+    if isinstance(k, bool) or not hasattr(k, "__index__"):
+        raise SectionError(
+            f"section {key!r}: axis {axis} entry {k!r} ({type(k).__name__}) is not a slice or "
+            f"int; a section is a tuple of step-1 slices and ints, e.g. np.s_[0:10, 5]")
+    i = operator.index(k)
+    if not -n <= i < n:
+        raise SectionError(f"section {key!r}: index {i} is out of range for axis {axis} of "
+                           f"length {n} (shape {shape})")
+    i %= n
+    return slice(i, i + 1), True
+
+
+def parse_section(key: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[bool, ...]]:
+    """``key`` as (region of step-1 slices, which axes an int index drops)."""
+    items = key if isinstance(key, tuple) else (key,)
+    if isinstance(key, list):
+        raise SectionError(f"section {key!r} is a list; use a tuple of slices (np.s_[...])")
+    n_ell = sum(1 for k in items if k is Ellipsis)
+    if n_ell > 1:
+        raise SectionError(f"section {key!r} has more than one '...'")
+    if n_ell:
+        i = next(j for j, k in enumerate(items) if k is Ellipsis)
+        fill = len(shape) - (len(items) - 1)
+        if fill < 0:
+            raise SectionError(f"section {key!r} has {len(items) - 1} entries for a "
+                               f"{len(shape)}-d array of shape {shape}")
+        items = items[:i] + (slice(None),) * fill + items[i + 1:]
+    if len(items) > len(shape):
+        raise SectionError(f"section {key!r} has {len(items)} entries for a {len(shape)}-d "
+                           f"array of shape {shape}")
+    items = tuple(items) + (slice(None),) * (len(shape) - len(items))
+    region, squeeze = [], []
+    for axis, (k, n) in enumerate(zip(items, shape)):
+        s, sq = _norm_index(k, n, axis, key, shape)
+        region.append(s)
+        squeeze.append(sq)
+    return tuple(region), tuple(squeeze)
+
+
+def block_section(shape: Sequence[int], comm: Any = None, axis: int = 0, *,
+                  chunks: Sequence[int] | None = None) -> tuple[slice, ...]:
+    """This rank's share of an array of ``shape``: a block of ``shape[axis]``, GA style.
+
+    Shares are contiguous, in rank order, and differ by at most one row (one chunk when
+    ``chunks`` is given: then shares start on chunk boundaries, so no two ranks write the
+    same chunk). A rank may get an empty share when there are more ranks than rows.
+    """
+    c = _resolve_comm(comm)
+    shape = _meta.check_shape(shape)
+    try:
+        ax = operator.index(axis)
+    except TypeError:
+        raise ArgumentError(f"axis must be an int, got {axis!r}") from None
+    if not -len(shape) <= ax < len(shape):
+        raise ArgumentError(f"axis {axis} is out of range for shape {shape}")
+    ax %= len(shape)
+    unit = 1
+    if chunks is not None:
+        unit = _meta.check_shape(chunks, "chunks")[ax] or 1
+    lo, hi = _layout.block_bounds(shape[ax], c.size, c.rank, unit)
+    return tuple(slice(lo, hi) if k == ax else slice(0, n) for k, n in enumerate(shape))
+
+
+# ---------------------------------------------------------------- helpers
+
+def _direct(a: np.ndarray) -> bool:
+    """True when the store can move bytes straight into/out of ``a`` (rows contiguous)."""
+    isz = a.itemsize
+    if any(s < 0 or s % isz for s in a.strides):
+        return False
+    for n, s in zip(reversed(a.shape), reversed(a.strides)):
+        if n > 1:
+            return s == isz
+    return True
+
+
+def _expand(a: np.ndarray, squeeze: tuple[bool, ...]) -> np.ndarray:
+    """View ``a`` (section shape without int-indexed axes) with those axes put back."""
+    axes = tuple(i for i, s in enumerate(squeeze) if s)
+    return np.expand_dims(a, axes) if axes else a
+
+
+class _Releaser:
+    """What ``cio.cleanup()`` closes at exit: the local handle only, never a collective."""
+
+    __slots__ = ("owner", "__weakref__")
+
+    def __init__(self, owner: "DiskArray"):
+        self.owner = owner
+
+    def close(self) -> None:
+        self.owner._release()
+
+
+def _persistent_paths(name: str, path: Any) -> tuple[str, str]:
+    p = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.isdir(p):
+        p = os.path.join(p, name + SUFFIX)
+    elif p.endswith(META_SUFFIX):
+        raise ArgumentError(f"path={path!r} ends with {META_SUFFIX!r}, which names the metadata; "
+                            f"give the data file path (the metadata goes to <path>{META_SUFFIX})")
+    parent = os.path.dirname(p)
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"path={path!r}: directory {parent!r} does not exist; create it first")
+    return p, p + META_SUFFIX
+
+
+def _paths_for_open(path: Any) -> tuple[str, str | None]:
+    """(metadata path, data path or None = take it from the metadata)."""
+    p = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if p.endswith(META_SUFFIX):
+        return p, None
+    return p + META_SUFFIX, p
+
+
+# ---------------------------------------------------------------- the array
+
+class DiskArray:
+    """An N-d array on disk, read and written in sections (see the module docstring).
+
+    Make one with ``DiskArray.create`` or ``DiskArray.open``; both are collective.
+    """
+
+    def __init__(self, *, store: Any, backend_obj: Any, backend_name: str, meta: _meta.Meta,
+                 data_path: str, meta_path: str, mode: str, comm: Comm, owner: bool):
+        self._store = store
+        self._be = backend_obj
+        self.backend = backend_name
+        self._meta = meta
+        self._data_path = data_path
+        self._meta_path = meta_path
+        self._mode = mode
+        self._comm = comm
+        self._owner = owner
+        self._layout = _layout.Layout(meta.shape, meta.chunks, meta.dtype.itemsize)
+        self._stats = stats.for_file(data_path, backend_name)
+        self._pending = requests.Pending()
+        self._deleted = False
+        self._releaser = _Releaser(self)
+        scratch.register_open(self._releaser)
+
+    # ------------------------------------------------------------ creation
+    @classmethod
+    def create(cls, name: str, shape: Any, dtype: Any, *, request_shape: Any = None,
+               chunks: Any = None, backend: str | None = None, path: Any = None,
+               persistent: bool = False, overwrite: bool = False,
+               comm: Any = None) -> "DiskArray":
+        """Create an array of ``shape`` and ``dtype``, every element zero. Collective.
+
+        Layout: ``chunks`` if given, else chunks shaped by ``request_shape`` (a typical
+        request, ``None`` entries meaning a whole axis: such requests become contiguous on
+        disk), else chunks of 2–4 MiB. Hints change speed, never results.
+
+        Without ``path`` the array is scratch: it lives in the job's shared scratch
+        directory and vanishes on ``close()`` and at exit. With ``path`` (a directory, where
+        the data goes to ``<name>.dra``, or a file path) it is persistent: its metadata is
+        written beside it (``<data>.json``) and ``DiskArray.open`` reopens it with any number
+        of ranks. An existing array there is replaced only with ``overwrite=True``.
+        """
+        c = _resolve_comm(comm)
+        what = f"DiskArray.create({name!r})"
+        be = store = data = mpath = None
+        created = False
+        try:
+            with c.agree(what):
+                scratch.validate_name(name)
+                shape_t = _meta.check_shape(shape)
+                dt = _meta.check_dtype(dtype)
+                nbytes = math.prod(shape_t) * dt.itemsize
+                if nbytes > _meta.MAX_NBYTES:
+                    raise ArgumentError(f"shape {shape_t} of {dt} makes {nbytes} bytes, more "
+                                        f"than the limit of {_meta.MAX_NBYTES}")
+                ch = cls._choose_chunks(shape_t, dt, chunks, request_shape)
+                if persistent and path is None:
+                    raise ArgumentError(
+                        f"DiskArray {name!r}: persistent=True needs path= (a directory or file "
+                        f"where the array stays); scratch arrays need neither")
+                keep = path is not None
+                be_name = config.backend_for(name, backend).value
+                be = _backends.resolve(be_name)
+                if not hasattr(be, "open_array"):
+                    raise BackendUnavailableError(
+                        be_name, "it cannot store DiskArrays (no open_array)",
+                        "choose another backend, e.g. backend='local'")
+                spec = (name, shape_t, dt.str, ch, be_name, keep)
+            if c.size > 1:
+                spec0 = c.bcast(spec if c.rank == 0 else None)
+                with c.agree(what):
+                    if spec != spec0:
+                        raise ArgumentError(
+                            f"rank {c.rank} asked for DiskArray.create{spec[:4]} on backend "
+                            f"{spec[4]!r} but rank 0 for {spec0[:4]} on {spec0[4]!r}; every "
+                            f"rank must pass the same name, shape, dtype, layout and backend")
+                check = getattr(be, "check_collective", None)
+                if check is not None:                 # e.g. shm: every rank on one node
+                    with c.agree(what):
+                        check(c, what)
+            uuid = os.urandom(16).hex()
+            with c.agree(what):
+                if c.rank == 0:
+                    if keep:
+                        data, mpath = _persistent_paths(name, path)
+                        if not overwrite and (os.path.lexists(data) or os.path.lexists(mpath)):
+                            raise ArgumentError(
+                                f"an array (or file) already exists at {data!r}; pass "
+                                f"overwrite=True to replace it, delete it with "
+                                f"DiskArray.open(path, 'r+').delete(), or choose another path")
+                        if os.path.lexists(mpath):
+                            os.unlink(mpath)           # old metadata first: never half valid
+                    else:
+                        data = os.path.join(scratch.job_dir(be.root("shared")), name + SUFFIX)
+                        mpath = data + META_SUFFIX
+                    perms = 0o666 if keep else 0o600
+                    store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
+                                          perms=perms)
+                    created = True
+                    if not keep:
+                        scratch.own(data)
+                    m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch,
+                                   backend=be_name, data=os.path.basename(data),
+                                   persistent=keep, uuid=uuid,
+                                   created=_meta.creation_info(c.size))
+                    _meta.write_atomic(mpath, _meta.dumps(m), perms)
+                    if not keep:
+                        scratch.own(mpath)
+            if c.size > 1:
+                data, mpath, uuid, host0 = c.bcast(
+                    (data, mpath, uuid, socket.gethostname()) if c.rank == 0 else None)
+                with c.agree(what):
+                    if c.rank != 0:
+                        store = cls._open_peer(be, data, mpath, uuid, shape_t, dt, ch, c, host0)
+            m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch, backend=be_name,
+                           data=os.path.basename(data), persistent=keep, uuid=uuid)
+        except BaseException:
+            if store is not None:
+                store.close()
+            if created:
+                for p in (data, mpath):
+                    be.remove(p)
+                    scratch.disown(p)
+            raise
+        return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
+                   meta_path=mpath, mode="r+", comm=c, owner=not keep)
+
+    @staticmethod
+    def _choose_chunks(shape: tuple, dt: np.dtype, chunks: Any, request_shape: Any) -> tuple:
+        if chunks is not None:
+            ch = _meta.check_shape(chunks, "chunks")
+            if len(ch) != len(shape) or min(ch) < 1:
+                raise ArgumentError(f"chunks {ch} must have one int >= 1 per axis of shape {shape}")
+            return _layout.clip_chunks(ch, shape)
+        if request_shape is not None:
+            try:
+                rs = list(request_shape)
+            except TypeError:
+                raise ArgumentError(f"request_shape {request_shape!r} must be a tuple") from None
+            if len(rs) != len(shape):
+                raise ArgumentError(f"request_shape {tuple(rs)} must have {len(shape)} entries "
+                                    f"(one per axis of shape {shape}; None means a whole axis)")
+            for r in rs:
+                if r is not None and (isinstance(r, bool) or not hasattr(r, "__index__")
+                                      or operator.index(r) < 1):
+                    raise ArgumentError(f"request_shape {tuple(rs)} holds {r!r}; use ints >= 1 "
+                                        f"or None for a whole axis")
+            return _layout.hinted_chunks(shape, dt.itemsize,
+                                         [None if r is None else operator.index(r) for r in rs])
+        return _layout.default_chunks(shape, dt.itemsize)
+
+    @staticmethod
+    def _open_peer(be: Any, data: str, mpath: str, uuid: str, shape: tuple, dt: np.dtype,
+                   ch: tuple, c: Comm, host0: str) -> Any:
+        here = f"rank {c.rank} on host {socket.gethostname()!r}"
+        fix = ("set CHEMIO_SHARED_SCRATCH (or path=) to a directory on a file system that every "
+               "rank mounts (NFS, Lustre, GPFS, BeeGFS...)")
+        try:
+            m = _meta.load(mpath)
+        except MetadataError:
+            if not os.path.exists(mpath):
+                raise NotSharedError(
+                    f"{here} cannot see the array {data!r} that rank 0 created on host "
+                    f"{host0!r}: its directory is not shared by all ranks (node-local?); "
+                    f"{fix}") from None
+            raise
+        if m.uuid != uuid:
+            raise NotSharedError(f"{here} found a different array at {data!r} than the one rank 0 "
+                                 f"created on host {host0!r}: the directory is node-local; {fix}")
+        return be.open_array(data, "r+", shape=shape, dtype=dt, chunks=ch)
+
+    @classmethod
+    def open(cls, path: Any, mode: str = "r", *, backend: str | None = None,
+             comm: Any = None) -> "DiskArray":
+        """Open an existing array by its data file or its ``.json`` metadata. Collective.
+
+        ``mode`` is ``r`` (read only) or ``r+`` (read and write). The metadata is checked
+        as untrusted input (``MetadataError``); any number of ranks may open an array that
+        any number of ranks wrote. Opening a scratch array does not make this handle its
+        owner: only its creator's ``close()`` removes it.
+        """
+        c = _resolve_comm(comm)
+        what = f"DiskArray.open({os.fspath(path)!r})"
+        store = None
+        try:
+            with c.agree(what):
+                if mode not in ("r", "r+"):
+                    raise ModeError(f"DiskArray.open mode {mode!r} is not 'r' (read) or 'r+' "
+                                    f"(read/write); create new arrays with DiskArray.create")
+                mpath, data = _paths_for_open(path)
+                m = _meta.load(mpath) if c.rank == 0 else None
+            if c.size > 1:
+                m = c.bcast(m)
+            with c.agree(what):
+                if data is None:
+                    guess = mpath[:-len(META_SUFFIX)]
+                    data = guess if os.path.exists(guess) else \
+                        os.path.join(os.path.dirname(mpath), m.data)
+                be_name = backend or m.backend
+                be = _backends.resolve(be_name)
+                if not hasattr(be, "open_array"):
+                    raise BackendUnavailableError(
+                        be_name, "it cannot store DiskArrays (no open_array)",
+                        "pass backend= naming one that can")
+                if not os.path.lexists(data):
+                    raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
+                                        f"{data!r} is missing; restore it or delete the metadata")
+                store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype, chunks=m.chunks)
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+        return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
+                   meta_path=mpath, mode=mode, comm=c, owner=False)
+
+    # ------------------------------------------------------------ properties
+    shape = property(lambda self: self._meta.shape, doc="The array's shape.")
+    dtype = property(lambda self: self._meta.dtype, doc="The element type (native order).")
+    chunks = property(lambda self: self._meta.chunks, doc="The chunk shape on disk.")
+    name = property(lambda self: self._meta.name, doc="The name given at creation.")
+    path = property(lambda self: self._data_path, doc="The data file.")
+    meta_path = property(lambda self: self._meta_path, doc="The metadata (JSON) file.")
+    mode = property(lambda self: self._mode, doc="'r' or 'r+'.")
+    persistent = property(lambda self: self._meta.persistent,
+                          doc="True when the array outlives close() (created with path=).")
+    comm = property(lambda self: self._comm, doc="The communicator of collective calls.")
+    stats = property(lambda self: self._stats, doc="This array's I/O counters.")
+
+    @property
+    def ndim(self) -> int:
+        return len(self._meta.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._meta.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self._meta.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def __len__(self) -> int:
+        return self._meta.shape[0]
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"mode {self._mode!r}"
+        kind = "persistent" if self.persistent else "scratch"
+        return (f"<DiskArray {self.name!r} shape={self.shape} dtype={self.dtype} "
+                f"chunks={self.chunks} {kind} {state} path={self.path!r} backend={self.backend}>")
+
+    # ------------------------------------------------------------ checks
+    def _open_store(self) -> Any:
+        if self._store is None:
+            raise ChemIOError(f"DiskArray {self.name!r} is closed; open it again with "
+                              f"DiskArray.open({self.path!r})")
+        return self._store
+
+    def _writable_store(self) -> Any:
+        st = self._open_store()
+        if self._mode == "r":
+            raise ModeError(f"DiskArray {self.name!r} ({self.path!r}) is open read-only (mode "
+                            f"'r'); open it with mode 'r+' to write")
+        return st
+
+    def _prep_read(self, section: Any, out: Any, transpose: bool) -> tuple:
+        """Checks a read; returns (region, target view in region shape, result, copy-back)."""
+        self._open_store()
+        region, squeeze = parse_section(section, self.shape)
+        full = _layout.region_shape(region)
+        shape = tuple(n for n, s in zip(full, squeeze) if not s)
+        want = shape[::-1] if transpose else shape
+        if out is None:
+            out = np.empty(want, self.dtype)
+        else:
+            if not isinstance(out, np.ndarray):
+                raise ArgumentError(f"out must be a NumPy array, got {type(out).__name__}")
+            if out.dtype != self.dtype:
+                raise ArgumentError(f"out has dtype {out.dtype} but DiskArray {self.name!r} holds "
+                                    f"{self.dtype}; pass an array of dtype {self.dtype} (or "
+                                    f"out=None and convert the result)")
+            if not out.flags.writeable:
+                raise ArgumentError("out is read-only; pass a writable array")
+            if out.shape != want:
+                if out.shape == (full[::-1] if transpose else full):
+                    pass
+                else:
+                    raise SectionError(
+                        f"out has shape {out.shape} but section {section!r} has shape {want}"
+                        f"{' (transposed)' if transpose else ''}; pass an array of shape {want}")
+        target = out.T if transpose else out
+        if target.shape != full:
+            target = _expand(target, squeeze)
+        if _direct(target):
+            return region, target, out, None
+        tmp = np.empty(full, self.dtype)
+        return region, tmp, out, target
+
+    def _prep_write(self, section: Any, data: Any, transpose: bool) -> tuple:
+        """Checks a write; returns (region, source array in region shape)."""
+        self._writable_store()
+        region, squeeze = parse_section(section, self.shape)
+        full = _layout.region_shape(region)
+        shape = tuple(n for n, s in zip(full, squeeze) if not s)
+        want = shape[::-1] if transpose else shape
+        arr = data if isinstance(data, np.ndarray) else np.asarray(data)
+        if arr.shape != want and arr.shape != (full[::-1] if transpose else full):
+            raise SectionError(
+                f"data has shape {arr.shape} but section {section!r} has shape {want}"
+                f"{' (data transposed)' if transpose else ''}; nothing was written")
+        if arr.dtype != self.dtype and not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+            raise ArgumentError(
+                f"data of dtype {arr.dtype} is not stored in DiskArray {self.name!r} of dtype "
+                f"{self.dtype} (a different kind of number: values would be lost); convert it "
+                f"first (data.astype({str(self.dtype)!r})) if that is intended; nothing was "
+                f"written")
+        src = arr.T if transpose else arr
+        if src.shape != full:
+            src = _expand(src, squeeze)
+        if src.dtype != self.dtype or not _direct(src):
+            src = np.ascontiguousarray(src, dtype=self.dtype)
+        return region, src
+
+    # ------------------------------------------------------------ the I/O engine
+    def _tasks(self, store: Any, region: tuple, arr: np.ndarray) -> list[tuple]:
+        nb = _layout.region_nbytes(region, self.dtype.itemsize)
+        if nb == 0:
+            return []
+        threads = max(1, int(config.get("io_threads")))
+        task = min(TASK_MAX, max(TASK_MIN, nb // (2 * threads)))
+        subs = self._layout.split(region, task, getattr(store, "byte_addressable", False))
+        return [(sub, arr[_layout.relative(region, sub)]) for sub in subs]
+
+    def _task(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        if write:
+            store.write(region, arr)
+        else:
+            store.read(region, arr)
+        self._stats.record("write" if write else "read", arr.nbytes, t0, time.perf_counter())
+
+    def _start(self, store: Any, write: bool, region: tuple, arr: np.ndarray,
+               value: Any, finish: Any = None) -> requests.Request:
+        reqs = [requests.submit(self._task, store, write, sub, a)
+                for sub, a in self._tasks(store, region, arr)]
+        return self._pending.add(requests.gather(reqs, value, finish, self._stats))
+
+    def _run(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        try:
+            cached = None if write else getattr(store, "read_cached", None)
+            if cached is not None and arr.size and cached(region, arr):
+                self._stats.record("read", arr.nbytes, t0, time.perf_counter())
+                return                                   # all in the page cache: one copy
+            tasks = self._tasks(store, region, arr)
+            if not tasks:
+                return
+            reqs = [requests.submit(self._task, store, write, sub, a) for sub, a in tasks[1:]]
+            try:
+                self._task(store, write, *tasks[0])      # the caller moves a share too
+            except BaseException:
+                for r in reqs:                           # no I/O left in flight on our buffers
+                    r.exception()
+                raise
+            requests.waitall(reqs)
+        finally:
+            self._stats.waited(time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ blocking, independent
+    def read(self, section: Any = (), out: np.ndarray | None = None, *,
+             transpose: bool = False) -> np.ndarray:
+        """Read ``section`` into ``out`` (new array if None) and return it.
+
+        With ``transpose=True`` the result has the section's axes reversed.
+        """
+        region, target, out, back = self._prep_read(section, out, transpose)
+        self._run(self._store, False, region, target)
+        if back is not None:
+            back[...] = target
+        return out
+
+    def write(self, section: Any, data: Any, *, transpose: bool = False) -> None:
+        """Write ``data`` (the section's shape; reversed with ``transpose=True``) into it.
+
+        Elements of the array outside the section, in the same chunks too, are unchanged.
+        """
+        region, src = self._prep_write(section, data, transpose)
+        self._run(self._store, True, region, src)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return self.read(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``d[section] = value``; ``value`` broadcasts to the section as in NumPy."""
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        region, squeeze = parse_section(key, self.shape)
+        shape = tuple(n for n, s in zip(_layout.region_shape(region), squeeze) if not s)
+        if arr.shape != shape:
+            try:
+                arr = np.broadcast_to(arr, shape)
+            except ValueError:
+                raise SectionError(f"value of shape {arr.shape} does not broadcast to section "
+                                   f"{key!r} of shape {shape}; nothing was written") from None
+        self.write(key, arr)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.read(())
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    # ------------------------------------------------------------ asynchronous
+    def aread(self, section: Any, out: np.ndarray | None = None, *,
+              transpose: bool = False) -> requests.Request:
+        """Start reading ``section`` into ``out``; ``wait()`` returns the filled array."""
+        region, target, out, back = self._prep_read(section, out, transpose)
+        finish = None if back is None else (lambda: back.__setitem__(Ellipsis, target))
+        return self._start(self._store, False, region, target, out, finish)
+
+    def awrite(self, section: Any, data: Any, *, transpose: bool = False) -> requests.Request:
+        """Start writing ``data`` into ``section``; leave ``data`` alone until it completes."""
+        region, src = self._prep_write(section, data, transpose)
+        return self._start(self._store, True, region, src, None)
+
+    @property
+    def outstanding(self) -> int:
+        """Asynchronous requests of this array not yet complete."""
+        return len(self._pending)
+
+    # ------------------------------------------------------------ collective
+    def read_all(self, section: Any = (), out: np.ndarray | None = None, *,
+                 transpose: bool = False) -> np.ndarray:
+        """Collective read: every rank reads its own section (an empty one is fine)."""
+        c = self._comm
+        what = f"DiskArray {self.name!r} read_all"
+        with c.agree(what):
+            region, target, out, back = self._prep_read(section, out, transpose)
+        with c.agree(what):
+            self._collective(False, region, target)
+            if back is not None:
+                back[...] = target
+        return out
+
+    def write_all(self, section: Any, data: Any, *, transpose: bool = False) -> None:
+        """Collective write: every rank writes its own section; all writes are done (and
+        visible to every rank) when it returns. Bad input on any rank writes nothing."""
+        c = self._comm
+        what = f"DiskArray {self.name!r} write_all"
+        with c.agree(what):
+            region, src = self._prep_write(section, data, transpose)
+        with c.agree(what):
+            self._collective(True, region, src)
+
+    def _collective(self, write: bool, region: tuple, arr: np.ndarray) -> None:
+        store = self._store
+        if getattr(store, "collective", False):        # true collective I/O (MPI-IO)
+            t0 = time.perf_counter()
+            if write:
+                store.write_all(region, arr, self._comm)
+            else:
+                store.read_all(region, arr, self._comm)
+            t1 = time.perf_counter()
+            self._stats.record("write" if write else "read", arr.nbytes, t0, t1)
+            self._stats.waited(t1 - t0)
+        else:
+            self._run(store, write, region, arr)
+
+    # ------------------------------------------------------------ lifetime
+    def flush(self) -> None:
+        """Wait for this rank's outstanding requests and make its writes durable."""
+        store = self._open_store()
+        err = self._pending.drain()
+        if self._mode != "r":
+            store.flush()
+        if err is not None:
+            raise err
+
+    def _release(self) -> BaseException | None:
+        """Close this rank's handle (waiting for its requests); not collective."""
+        store, self._store = self._store, None
+        if store is None:
+            return None
+        try:
+            return self._pending.drain()
+        finally:
+            store.close()
+
+    def close(self) -> None:
+        """Collective: wait for outstanding requests and close; a scratch array is removed
+        (gone for every rank when this returns).
+
+        An error of an outstanding request on any rank is raised on every rank (the array
+        is closed, and a scratch array removed, all the same). Idempotent.
+        """
+        if self._store is None:
+            return
+        c = self._comm
+        try:
+            with c.agree(f"DiskArray {self.name!r} close"):
+                err = self._release()
+                if err is not None:
+                    raise err
+        finally:
+            if self._owner and not self.persistent:
+                with c.agree(f"DiskArray {self.name!r} removal"):
+                    if c.rank == 0:
+                        self._remove_files()
+
+    def delete(self) -> None:
+        """Collective: close the array and remove its data and metadata (persistent too)."""
+        if self._deleted:
+            return
+        self._deleted = True
+        c = self._comm
+        try:
+            self.close()
+        finally:
+            with c.agree(f"DiskArray {self.name!r} delete"):
+                if c.rank == 0:
+                    self._remove_files()
+
+    def _remove_files(self) -> None:
+        for p in (self._meta_path, self._data_path):
+            scratch.disown(p)
+            self._be.remove(p)
+
+    def __enter__(self) -> "DiskArray":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if getattr(self, "_store", None) is not None:
+                self._release()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ pipelines and interop
+    def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,
+                    out_dtype: Any = None):
+        """Read the array in blocks along ``axis`` with read-ahead (``cio.prefetch``)."""
+        from .prefetch import iter_blocks
+        return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype)
+
+    def to_dask(self, chunks: Any = None):
+        """A dask array reading this one; its chunks are whole multiples of the disk chunks."""
+        from .interop import to_dask
+        return to_dask(self, chunks=chunks)
+
+    @classmethod
+    def from_dask(cls, x: Any, name: str, **create_kw: Any) -> "DiskArray":
+        """Store dask array ``x`` in a new DiskArray (collective; blocks in parallel)."""
+        from .interop import from_dask
+        return from_dask(x, name, **create_kw)
+
+    def to_hdf5(self, path: Any, dataset: str, **kw: Any) -> None:
+        """Copy this array into dataset ``dataset`` of HDF5 file ``path`` (collective)."""
+        from .interop import to_hdf5
+        to_hdf5(self, path, dataset, **kw)
+
+    @classmethod
+    def from_hdf5(cls, h5file: Any, dataset: str, name: str | None = None,
+                  **kw: Any) -> "DiskArray":
+        """A new DiskArray holding dataset ``dataset`` of HDF5 file ``h5file`` (collective)."""
+        from .interop import from_hdf5
+        return from_hdf5(h5file, dataset, name, **kw)

@@ -1,0 +1,109 @@
+"""DiskArray <-> dask and HDF5 (h5py), checked against NumPy and h5py's own reading."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import chemio_py as cio
+import chemio_py.backends as backends
+from chemio_py import interop
+from chemio_py.errors import ArgumentError
+
+da = pytest.importorskip("dask.array")
+h5py = pytest.importorskip("h5py")
+
+
+@pytest.fixture
+def arr_store(store):
+    if not hasattr(backends.resolve(store), "open_array"):
+        pytest.skip(f"backend {store!r} has no open_array: it cannot hold DiskArrays")
+    return store
+
+
+def test_import_stays_light():
+    code = ("import sys, chemio_py; "
+            "print(sorted(m for m in ('mpi4py', 'dask', 'h5py', 'zarr') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_to_dask_chunks_follow_the_disk(arr_store):
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((70, 45))
+    d = cio.DiskArray.create("dk", m.shape, "f8", chunks=(8, 9), backend=arr_store)
+    d[...] = m
+    x = d.to_dask()
+    for dchunks, disk in zip(x.chunks, d.chunks):
+        assert all(c % disk == 0 for c in dchunks[:-1])
+    np.testing.assert_allclose(float(x.sum().compute()), m.sum(), rtol=1e-12)
+    np.testing.assert_array_equal((x[10:30, 5:40] * 2).compute(), m[10:30, 5:40] * 2)
+    y = d.to_dask(chunks=(16, 9))
+    assert y.chunks[0][0] == 16 and y.chunks[1][0] == 9
+    np.testing.assert_array_equal(y.compute(), m)
+    assert interop.dask_chunks((8, 9), (70, 45), 8, target=8 * 9 * 8 * 3) == (8, 27)
+    assert interop.dask_chunks((8, 9), (70, 45), 8, target=1 << 30) == (70, 45)
+    d.close()
+
+
+@pytest.mark.parametrize("chunks", [(10, 7), ((10, 5, 15), (7, 13))])
+def test_from_dask_stores_every_block(arr_store, chunks):
+    rng = np.random.default_rng(1)
+    m = rng.integers(-1000, 1000, (30, 20)).astype(np.int32)
+    x = da.from_array(m, chunks=chunks)
+    d = cio.DiskArray.from_dask(x + 1, "fromdask", backend=arr_store)
+    if chunks == (10, 7):
+        assert d.chunks == (10, 7)                   # regular blocks are the disk chunks
+    np.testing.assert_array_equal(d[...], m + 1)
+    assert d.dtype == np.int32
+    d.close()
+    with pytest.raises(ArgumentError):
+        cio.DiskArray.from_dask(da.from_array(np.array(["a", "b"])), "strs", backend=arr_store)
+
+
+def test_hdf5_round_trip_with_progress(arr_store, tmp_path):
+    rng = np.random.default_rng(2)
+    m = (rng.standard_normal((50, 12, 3)) + 1j).astype(np.complex128)
+    d = cio.DiskArray.create("h5rt", m.shape, m.dtype, chunks=(7, 12, 3), backend=arr_store)
+    d[...] = m
+    h5 = tmp_path / "pyscf_like.h5"
+    with h5py.File(h5, "w") as f:                     # a PySCF-style file with other content
+        f["mol"] = np.bytes_("H2O")
+        f.create_group("scf")["e_tot"] = -76.0
+    seen = []
+    d.to_hdf5(h5, "mp2/t2", progress=lambda done, total: seen.append((done, total)),
+              slab_bytes=7 * 12 * 3 * 16 * 2)
+    assert seen[-1] == (m.nbytes, m.nbytes) and len(seen) == 4
+    assert [a for a, _ in seen] == sorted(a for a, _ in seen)
+    with h5py.File(h5, "r") as f:
+        np.testing.assert_array_equal(f["mp2/t2"][...], m)
+        assert f["scf/e_tot"][()] == -76.0
+    with pytest.raises(ArgumentError, match="overwrite"):
+        d.to_hdf5(h5, "mp2/t2")
+    d.to_hdf5(h5, "mp2/t2", overwrite=True, progress=True)
+    d.close()
+
+    e = cio.DiskArray.from_hdf5(h5, "mp2/t2", backend=arr_store, slab_bytes=5000,
+                                progress=lambda a, b: None)
+    assert e.name == "mp2_t2" and e.shape == m.shape and e.dtype == m.dtype
+    np.testing.assert_array_equal(e[...], m)
+    e.close()
+    with pytest.raises(ArgumentError, match="no dataset"):
+        cio.DiskArray.from_hdf5(h5, "nope", backend=arr_store)
+    with pytest.raises(ArgumentError, match="not supported"):
+        cio.DiskArray.from_hdf5(h5, "mol", backend=arr_store)
+
+
+def test_from_hdf5_big_endian_and_persistent(arr_store, tmp_path):
+    h5 = tmp_path / "be.h5"
+    m = np.arange(600, dtype=">f8").reshape(20, 30)
+    with h5py.File(h5, "w") as f:
+        f.create_dataset("eri", data=m, chunks=(4, 30))
+    out = tmp_path / "eri.dra"
+    e = cio.DiskArray.from_hdf5(h5, "eri", "eri", path=out, request_shape=(5, None),
+                                backend=arr_store)
+    assert e.dtype == np.dtype("f8") and e.chunks[1] == 30
+    e.close()
+    f = cio.DiskArray.open(out)
+    np.testing.assert_array_equal(f[...], m.astype("f8"))
+    f.delete()
