@@ -2,9 +2,14 @@
 
 The three I/O models of ChemIO over pluggable backends:
 
+* ``DiskArray`` — N-d arrays on disk moved in sections, with ``block_section`` (DRA);
 * ``ExclusiveFile`` — one private byte-addressable scratch file per process (EAF);
+* ``SharedFile`` — one scratch file shared by all processes (SF), with ``sync.Counter``
+  and ``sync.Mutex`` for dynamic load balancing and mutual exclusion;
 
-with asynchronous requests (``Request``, ``waitall``, ``waitany``), run-time settings
+with asynchronous requests (``Request``, ``waitall``, ``waitany``), read-ahead and
+write-behind pipelines (``prefetch``, ``WriteBehind``, ``RecordFile`` for variable-size
+records replayed with read-ahead), run-time settings
 (``configure``, ``settings``) and I/O accounting (``report``). See README.md for a tour.
 """
 from __future__ import annotations
@@ -25,7 +30,12 @@ from .errors import (  # noqa: E402
     BackendUnavailableError, ChemIOError, EndOfFileError, LimitExceededError, MetadataError,
     ModeError, OutOfSpaceError, SectionError,
 )
+from .diskarray import DiskArray, block_section  # noqa: E402
 from .exclusive import ExclusiveFile  # noqa: E402
+from .prefetch import WriteBehind, prefetch  # noqa: E402
+from .records import RecordFile  # noqa: E402
+from .shared import SharedFile  # noqa: E402
+from . import sync  # noqa: E402
 from .requests import Request, completed, waitall, waitany  # noqa: E402
 from .scratch import FsInfo, cleanup, stat  # noqa: E402
 from .stats import report  # noqa: E402
@@ -40,6 +50,9 @@ def aligned_empty(shape, dtype="uint8", align: int = 4096):
 
 
 __all__ = [
+    "DiskArray", "block_section",
+    "prefetch", "WriteBehind", "RecordFile",
+    "SharedFile", "sync",
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
     "comm", "stat", "FsInfo", "cleanup", "report", "aligned_empty", "errors",
     "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",

@@ -282,3 +282,6 @@ def reset() -> None:
         _explicit.clear()
         _explicit_comm.clear()
         _toml_cache.clear()
+    from . import requests, stats
+    requests.forget_settings()
+    stats.refresh_trace()

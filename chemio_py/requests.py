@@ -189,6 +189,11 @@ def reset_pool(wait: bool = True) -> None:
         p.shutdown(wait=wait)
 
 
+def forget_settings() -> None:
+    """Drop the cached sync mode (the next request reads the setting again)."""
+    _sync_mode.clear()
+
+
 def _after_fork_in_child() -> None:
     # Threads do not survive fork: the child starts with no pool of its own.
     _pool.clear()
@@ -224,8 +229,15 @@ def gather(reqs: Sequence[Request], value: Any = None, then: Callable[[], Any] |
     thread that completed the last one) and the request completes with ``value``.
     """
     out = Request(stats)
+    out._state = _RUNNING           # its parts are already under way: it cannot be cancelled
     if not reqs:
-        out._run(lambda: (then() if then is not None else None, value)[1], ())
+        try:
+            if then is not None:
+                then()
+        except BaseException as e:  # noqa: BLE001 - delivered at wait()
+            out._finish(None, e)
+        else:
+            out._finish(value)
         return out
     lock = threading.Lock()
     state = {"left": len(reqs), "error": None}

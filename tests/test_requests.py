@@ -98,3 +98,37 @@ def test_pool_is_bounded_by_io_threads():
         assert peak[0] == 3
     finally:
         cio.configure(io_threads=None)
+
+
+def test_gather_combines_and_cannot_be_cancelled():
+    gate = threading.Event()
+    parts = [requests.submit(gate.wait), requests.submit(lambda: 1)]
+    after = []
+    g = requests.gather(parts, value="all", then=lambda: after.append(True))
+    assert g.cancel() is False and not g.done()
+    gate.set()
+    assert g.wait() == "all" and after == [True]
+    empty = requests.gather([], value=5)
+    assert empty.done() and empty.wait() == 5
+
+    def fail():
+        raise Boom("part")
+    bad = requests.gather([requests.submit(fail), requests.submit(lambda: 2)])
+    with pytest.raises(Boom):
+        bad.wait()
+
+
+def test_cancel_before_start():
+    cio.configure(io_threads=1)
+    try:
+        gate = threading.Event()
+        blocker = requests.submit(gate.wait)
+        queued = requests.submit(lambda: "ran")
+        assert queued.cancel() is True and queued.done()
+        with pytest.raises(requests.CancelledError):
+            queued.wait()
+        gate.set()
+        blocker.wait()
+        assert blocker.cancel() is False
+    finally:
+        cio.configure(io_threads=None)

@@ -1,0 +1,492 @@
+"""Read-ahead and write-behind pipelines: ``prefetch``, ``iter_blocks``, ``WriteBehind``.
+
+Double buffering without the juggling: the pipeline keeps ``depth`` requests in flight on
+the I/O pool while the caller works on the buffer it was handed.
+
+    >>> import numpy as np, chemio_py as cio
+    >>> with cio.ExclusiveFile("pf.demo", "w+") as f:
+    ...     _ = f.write(0, np.arange(10.0))
+    ...     keys = range(0, 10, 4)                      # element offsets of blocks of 4
+    ...     read = lambda k, buf: f.aread(8 * k, buf[:min(4, 10 - k)])
+    ...     [float(b.sum()) for k, b in cio.prefetch(read, keys, lambda: np.empty(4), depth=2)]
+    [6.0, 22.0, 17.0]
+
+Contract (every pipeline here):
+
+* items come in key order; a yielded buffer is valid until the next step, and the ring of
+  ``depth + 1`` buffers is reused (no allocation per step);
+* an error of a request surfaces as its original exception at the consumer's next step
+  (then the pipeline is over);
+* leaving early (``break``, an exception in the loop body, ``close()``, the end of a
+  ``with`` block) cancels requests not started and waits for the ones running: nothing
+  stays in flight;
+* ``depth=0`` is synchronous (each read completes before it is yielded) and
+  ``CHEMIO_SYNC=1`` forces depth 0 everywhere;
+* counters per pipeline (``.stats``; ``cio.report()`` shows the totals): time in I/O,
+  time the consumer waited, overlap efficiency ``1 - wait/io``.
+
+A pipeline belongs to one consumer thread.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import operator
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from . import requests, stats
+from .errors import ArgumentError, ChemIOError
+
+MAX_DEPTH = 1024
+_counter = itertools.count(1)
+
+
+def check_depth(depth: Any) -> int:
+    """``depth`` as a validated int in [0, MAX_DEPTH]."""
+    try:
+        d = operator.index(depth)
+    except TypeError:
+        raise ArgumentError(f"depth must be an integer >= 0, got {type(depth).__name__} "
+                            f"{depth!r}") from None
+    if not 0 <= d <= MAX_DEPTH:
+        raise ArgumentError(f"depth must be in [0, {MAX_DEPTH}], got {d}; depth is the number "
+                            f"of requests kept in flight (0: synchronous)")
+    return d
+
+
+def effective_depth(depth: Any) -> int:
+    """The depth a pipeline runs with: 0 in synchronous mode (``CHEMIO_SYNC=1``)."""
+    d = check_depth(depth)
+    return 0 if requests.sync_mode() else d
+
+
+def _as_request(value: Any) -> requests.Request:
+    return value if isinstance(value, requests.Request) else requests.completed(value)
+
+
+def _nbytes(obj: Any) -> int:
+    if obj is None:
+        return 0
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    try:
+        return memoryview(obj).nbytes
+    except TypeError:
+        n = getattr(obj, "nbytes", 0)
+        return n if isinstance(n, int) else 0
+
+
+def _quiet_wait(req: requests.Request) -> None:
+    """Wait for ``req`` to end (done, failed or cancelled), ignoring its outcome."""
+    try:
+        req.exception()
+    except Exception:
+        pass
+
+
+class _Op:
+    """One request of a pipeline: what it reads, where, and when it ran."""
+
+    __slots__ = ("key", "slot", "req", "own", "out", "nbytes", "t_issue", "t_done")
+
+    def __init__(self, key: Any, slot: int):
+        self.key = key
+        self.slot = slot
+        self.req: requests.Request | None = None
+        self.own: requests.Request | None = None     # a pool task of ours: safe to cancel
+        self.out: Any = None
+        self.nbytes = 0
+        self.t_issue = 0.0
+        self.t_done: float | None = None
+
+    def mark_done(self, _req: Any) -> None:
+        if self.t_done is None:
+            self.t_done = time.perf_counter()
+
+
+# start(key, buffer) -> (request to wait for, the same if it is a plain pool task we submitted
+# (cancelling it on close is safe) else None, object to yield or None, nbytes or None)
+StartFn = Callable[[Any, Any], tuple]
+
+
+class Pipeline:
+    """Read-ahead over a sequence of keys: an iterator of items with ``depth`` reads in flight.
+
+    Made by ``prefetch`` and ``iter_blocks``; also a context manager. ``close()`` ends it
+    early (idempotent); ``in_flight`` is the number of requests not yet handed out;
+    ``stats`` the counters of this run.
+    """
+
+    def __init__(self, start: StartFn, keys: Iterable[Any], make_buffer: Callable[[], Any],
+                 depth: int, *, name: str, kind: str = "read-ahead"):
+        self._start = start
+        self._keys: Iterator[Any] = iter(keys)
+        self.depth = effective_depth(depth)
+        self._make_buffer = make_buffer
+        self._bufs: list[Any] = [None] * (self.depth + 1)
+        self._next_slot = 0
+        self._ring: collections.deque[_Op] = collections.deque()
+        self._exhausted = False
+        self._closed = False
+        self._t_yield: float | None = None
+        self.name = name
+        self.stats = stats.new_pipeline(name, kind)
+
+    # ------------------------------------------------------------ state
+    @property
+    def in_flight(self) -> int:
+        return len(self._ring)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def buffers(self) -> list[Any]:
+        """The ring buffers allocated so far (for inspection; do not write to them)."""
+        return [b for b in self._bufs if b is not None]
+
+    # ------------------------------------------------------------ iteration
+    def __iter__(self) -> "Pipeline":
+        return self
+
+    def _issue(self) -> bool:
+        try:
+            key = next(self._keys)
+        except StopIteration:
+            self._exhausted = True
+            return False
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._bufs)
+        buf = self._bufs[slot]
+        if buf is None:
+            buf = self._bufs[slot] = self._make_buffer()
+        op = _Op(key, slot)
+        op.t_issue = time.perf_counter()
+        req, own, out, nbytes = self._start(key, buf)
+        op.req, op.own, op.out, op.nbytes = req, own, out, nbytes
+        self._ring.append(op)
+        req.add_done_callback(op.mark_done)
+        return True
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        t_enter = time.perf_counter()
+        if self._t_yield is not None:
+            self.stats.computed(self._t_yield, t_enter)
+            self._t_yield = None
+        try:
+            while len(self._ring) <= self.depth and not self._exhausted:
+                if not self._issue():
+                    break
+            if not self._ring:
+                self.close()
+                raise StopIteration
+            op = self._ring.popleft()
+        except StopIteration:
+            raise
+        except BaseException:
+            self.close()
+            raise
+        error: BaseException | None = None
+        try:
+            value = op.req.wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, the original object
+            error, value = e, None
+        t_end = time.perf_counter()
+        if error is None:
+            if op.out is not None:
+                item = op.out
+            else:
+                got = value if value is not None else self._bufs[op.slot]
+                item = (op.key, got)
+                if op.nbytes is None:
+                    op.nbytes = _nbytes(got)
+        w0 = max(op.t_issue, t_enter)
+        self.stats.op_done((op.nbytes or 0) if error is None else 0, op.t_issue,
+                           max(op.t_done or t_end, t_end), t_end - w0, w0, op.slot)
+        if error is not None:
+            if not op.req.done():       # interrupted while waiting: let close() wait for it
+                self._ring.appendleft(op)
+            self.close()
+            raise error
+        self._t_yield = time.perf_counter()
+        return item
+
+    # ------------------------------------------------------------ ending
+    def close(self) -> None:
+        """Stop: cancel reads not started, wait for running ones, release the buffers.
+
+        Only requests the pipeline submitted itself are cancelled; a request made by the
+        reader (which may stand for several I/O calls) is waited for.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        ring, self._ring = self._ring, collections.deque()
+        for op in ring:
+            if op.own is not None:
+                op.own.cancel()
+        for op in ring:
+            _quiet_wait(op.req)
+        if self._t_yield is not None:
+            self.stats.computed(self._t_yield, time.perf_counter())
+            self._t_yield = None
+        self._bufs = [None] * len(self._bufs)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._ring)} in flight"
+        return f"<Pipeline {self.name!r} depth={self.depth} {state}>"
+
+
+def prefetch(read_into: Callable[[Any, Any], Any], keys: Iterable[Any],
+             make_buffer: Callable[[], Any], depth: int = 2, *, blocking: bool = False,
+             name: str | None = None) -> Pipeline:
+    """Read ahead over ``keys``: yields ``(key, buffer)`` in key order, ``depth`` reads in flight.
+
+    ``read_into(key, buf)`` starts reading item ``key`` into ``buf`` (one of ``depth + 1``
+    buffers made by ``make_buffer()``, reused round-robin) and returns a ``Request``
+    (e.g. ``lambda k, b: f.aread(k * n, b)``). The yielded buffer is the request's result
+    when it has one (so a reader may fill and return a view of ``buf``), else ``buf``.
+    With ``blocking=True``, ``read_into`` is an ordinary blocking function (compute an
+    integral batch, read and decompress...) and runs on the I/O pool; it must not itself
+    wait for chemio requests. A ``read_into`` that returns anything but a Request has
+    completed its read when it returns. The yielded buffer is valid until the next step.
+    """
+    if not callable(read_into) or not callable(make_buffer):
+        raise ArgumentError("prefetch(read_into, keys, make_buffer): read_into and make_buffer "
+                            "must be callables")
+    depth = check_depth(depth)
+    name = name or f"prefetch#{next(_counter)}"
+
+    def start(key: Any, buf: Any) -> tuple:
+        if blocking:
+            req = requests.submit(read_into, key, buf)
+            return req, req, None, None
+        return _as_request(read_into(key, buf)), None, None, None
+
+    return Pipeline(start, keys, make_buffer, depth, name=name)
+
+
+DEFAULT_BLOCK_BYTES = 64 << 20      # cap of a default block (the ring holds depth + 1)
+
+
+def _block_size(shape: tuple, itemsize: int, chunks: Any, axis: int, size: Any) -> int:
+    if size is None:
+        per_index = itemsize * math.prod(shape[:axis] + shape[axis + 1:])
+        cap = max(1, DEFAULT_BLOCK_BYTES // max(1, per_index))
+        return max(1, min(chunks[axis] if chunks else cap, cap))
+    try:
+        s = operator.index(size)
+    except TypeError:
+        raise ArgumentError(f"size must be a positive integer (elements along the axis), got "
+                            f"{type(size).__name__} {size!r}") from None
+    if s < 1:
+        raise ArgumentError(f"size must be >= 1 element along the axis, got {s}")
+    return s
+
+
+def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int = 2,
+                out_dtype: Any = None, *, name: str | None = None) -> Pipeline:
+    """Read a DiskArray in blocks along ``axis``: yields ``(section, block)``, depth reads ahead.
+
+    ``size`` elements per block along ``axis`` (default: the chunk extent there, reduced
+    so that a block stays under 64 MiB); the last block is shorter when ``size`` does not
+    divide the length. ``block`` is a C-contiguous
+    array of the section's shape, a view into one of ``depth + 1`` reused buffers: valid
+    until the next step. ``out_dtype`` converts each block (off the consumer's thread).
+    Works on any object with ``shape``, ``dtype``, ``chunks`` and
+    ``aread(section, out) -> Request``.
+    """
+    shape = tuple(int(n) for n in darray.shape)
+    ndim = len(shape)
+    try:
+        ax = operator.index(axis)
+    except TypeError:
+        raise ArgumentError(f"axis must be an integer, got {type(axis).__name__}") from None
+    if not -ndim <= ax < ndim:
+        raise ArgumentError(f"axis {axis} is out of range for a {ndim}-d array of shape {shape}")
+    ax %= ndim
+    dtype = np.dtype(darray.dtype)
+    size = _block_size(shape, dtype.itemsize, getattr(darray, "chunks", None), ax, size)
+    depth = check_depth(depth)
+    odt = dtype if out_dtype is None else np.dtype(out_dtype)
+    convert = odt != dtype
+    n = shape[ax]
+    full = shape[:ax] + (min(size, n),) + shape[ax + 1:]
+    count = math.prod(full)
+
+    def make_buffer() -> Any:
+        from . import aligned_empty
+        raw = aligned_empty((count,), dtype)
+        return (raw, np.empty(count, odt)) if convert else raw
+
+    def start(k: int, buf: Any) -> tuple:
+        stop = min(k + size, n)
+        section = tuple(slice(k, stop) if i == ax else slice(0, s) for i, s in enumerate(shape))
+        bshape = shape[:ax] + (stop - k,) + shape[ax + 1:]
+        cnt = math.prod(bshape)
+        if not convert:
+            view = buf[:cnt].reshape(bshape)
+            req = _as_request(darray.aread(section, view))
+            return req, None, (section, view), view.nbytes
+        raw, conv = buf
+        rv = raw[:cnt].reshape(bshape)
+        cv = conv[:cnt].reshape(bshape)
+        inner = _as_request(darray.aread(section, rv))
+        # convert in the thread that completes the read, off the consumer's thread
+        req = requests.gather([inner], cv, lambda: np.copyto(cv, rv, casting="unsafe"))
+        return req, None, (section, cv), rv.nbytes
+
+    keys = range(0, n, size) if count or n else range(0)
+    pname = name or f"iter_blocks:{getattr(darray, 'name', None) or 'array'}#{next(_counter)}"
+    return Pipeline(start, keys, make_buffer, depth, name=pname)
+
+
+class WriteBehind:
+    """Bounded write-behind: ``submit(fn, *args)`` queues a write and returns at once.
+
+    ``fn(*args)`` starts the write and returns a ``Request`` (``f.awrite``, ``d.awrite``,
+    ``cio.requests.submit`` of a blocking function...); anything else means the write is
+    already complete. ``submit`` blocks only when ``depth`` writes are in flight, until
+    the oldest completes. An error of a queued write is raised by the next ``submit``,
+    ``flush`` or ``close`` (the first error, again each time: the pipeline is broken).
+    ``flush()`` waits for every queued write. Leaving the ``with`` block writes everything
+    or raises the first error; when the block itself raised, the queued writes are waited
+    for and its exception propagates. ``depth=0`` waits for each write in ``submit``.
+    Do not modify a submitted buffer until its write completes.
+    """
+
+    def __init__(self, depth: int = 2, *, name: str | None = None):
+        self.depth = effective_depth(depth)
+        self.name = name or f"write-behind#{next(_counter)}"
+        self.stats = stats.new_pipeline(self.name, "write-behind")
+        self._ops: collections.deque[_Op] = collections.deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._count = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Writes queued and not yet seen complete."""
+        return len(self._ops)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first error of a queued write, or None."""
+        return self._error
+
+    def _finish(self, op: _Op, wait: float = 0.0, w0: float | None = None) -> None:
+        t_now = time.perf_counter()
+        done = op.t_done if op.t_done is not None else t_now
+        if wait:
+            done = max(done, w0 + wait)
+        self.stats.op_done(op.nbytes, op.t_issue, done, wait, w0, op.slot)
+        exc = op.req.exception() if op.req.done() else None
+        if exc is not None and self._error is None:
+            self._error = exc
+
+    def _wait_oldest(self, w0: float | None = None) -> None:
+        op = self._ops.popleft()
+        w0 = time.perf_counter() if w0 is None else w0
+        _quiet_wait(op.req)
+        self._finish(op, time.perf_counter() - w0, w0)
+
+    def _reap(self) -> None:
+        if any(op.req.done() for op in self._ops):
+            keep = collections.deque()
+            for op in self._ops:
+                if op.req.done():
+                    self._finish(op)
+                else:
+                    keep.append(op)
+            self._ops = keep
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, fn: Callable[..., Any], *args: Any,
+               nbytes: int | None = None) -> requests.Request:
+        """Queue the write ``fn(*args)``; returns its Request.
+
+        ``nbytes`` (for the counters) defaults to the size of the buffer arguments.
+        """
+        if self._closed:
+            raise ChemIOError(f"submit() on a closed WriteBehind {self.name!r}")
+        if not callable(fn):
+            raise ArgumentError(f"submit(fn, *args) needs a callable, got {type(fn).__name__}")
+        self._reap()
+        self._raise_if_failed()
+        while self.depth and len(self._ops) >= self.depth:
+            self._wait_oldest()
+            self._reap()
+        self._raise_if_failed()
+        op = _Op(None, self._count % max(1, self.depth))
+        self._count += 1
+        op.nbytes = nbytes if nbytes is not None else sum(
+            _nbytes(a) for a in args if isinstance(a, (np.ndarray, bytes, bytearray, memoryview)))
+        op.t_issue = time.perf_counter()
+        req = _as_request(fn(*args))
+        op.req = req
+        req.add_done_callback(op.mark_done)
+        self._ops.append(op)
+        if self.depth == 0:
+            self._wait_oldest(op.t_issue)
+            self._raise_if_failed()
+        return req
+
+    def _drain(self) -> None:
+        while self._ops:
+            self._wait_oldest()
+
+    def flush(self) -> None:
+        """Wait for every queued write; raise the first error if one failed."""
+        self._drain()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """``flush()`` and refuse further writes. Idempotent (raises a recorded error again)."""
+        try:
+            self._drain()
+        finally:
+            self._closed = True
+        self._raise_if_failed()
+
+    def __enter__(self) -> "WriteBehind":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self._drain()
+            finally:
+                self._closed = True
+        return False
+
+    def __del__(self):
+        try:
+            self._drain()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<WriteBehind {self.name!r} depth={self.depth} {len(self._ops)} in flight>"
