@@ -44,3 +44,8 @@ def test_cli_demo_info_config():
     assert cfg.returncode == 0 and "integrals.aoints" in cfg.stdout
     bad = run("frobnicate")
     assert bad.returncode == 2
+
+
+def test_readme_shared_file_block_under_mpi(mpirun):
+    code = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "SharedFile(" in b)
+    mpirun(3, code, timeout=240)
