@@ -88,34 +88,68 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_script(path: str, name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _examples_dir() -> str | None:
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("chemio_py.examples")
+    except ImportError:
+        spec = None
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(d, "ri_mp2.py")):
+            return d
+    return None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """A short out-of-core pass: write 1 MiB records behind, read them back with read-ahead."""
+    """The main job: out-of-core RI-MP2 of water with read-ahead, checked against PySCF."""
+    if args.eaf:
+        return demo_eaf(args.records)
+    d = _examples_dir()
+    if d is None:
+        print("chemio demo: the examples are not installed with this chemio_py; "
+              "reinstall from the source tree (pip install '.[mpi,examples]')", file=sys.stderr)
+        return 2
+    try:
+        import pyscf  # noqa: F401
+    except ImportError:
+        print("chemio demo runs RI-MP2 with PySCF integrals, and PySCF is not installed: "
+              "pip install 'chemio-py[examples]' (or run 'chemio demo --eaf')", file=sys.stderr)
+        return 2
+    mod = _load_script(os.path.join(d, "ri_mp2.py"), "chemio_demo_ri_mp2")
+    return int(mod.main(list(mod.DEMO_ARGV)) or 0)
+
+
+def demo_eaf(nrec: int) -> int:
+    """A short pass without chemistry: 1 MiB records written behind, read back ahead."""
     import numpy as np
     import chemio_py as cio
-    nrec, rec = args.records, 1 << 17          # records of 128k doubles = 1 MiB
-    print(f"chemio demo: an integral-cache pass through an Exclusive Access File")
+    rec = 1 << 17                              # records of 128k doubles = 1 MiB
+    print("chemio demo --eaf: an integral-cache pass through an Exclusive Access File")
     print(f"  scratch: {scratch.private_root(cio.comm().rank)} "
           f"(backend {config.backend_for('demo.cache').value})")
     t0 = time.perf_counter()
     with cio.ExclusiveFile("demo.cache", "w+", size_hint=nrec * rec * 8) as f:
         bufs = [np.full(rec, float(k)) for k in range(nrec)]
-        reqs = [f.awrite(k * rec * 8, bufs[k]) for k in range(nrec)]
-        cio.waitall(reqs)
-        print(f"  wrote {nrec} records of {rec * 8 >> 20} MiB with {len(reqs)} async writes "
+        cio.waitall([f.awrite(k * rec * 8, bufs[k]) for k in range(nrec)])
+        print(f"  wrote {nrec} records of 1 MiB with {nrec} async writes "
               f"in {time.perf_counter() - t0:.3f} s")
         t1 = time.perf_counter()
-        depth = 4
-        ring = [np.empty(rec) for _ in range(depth)]
-        pending = {k: f.aread(k * rec * 8, ring[k % depth]) for k in range(min(depth, nrec))}
         total = 0.0
-        for k in range(nrec):
-            block = pending.pop(k).wait()
+        read = lambda k, buf: f.aread(k * rec * 8, buf)   # noqa: E731
+        for k, block in cio.prefetch(read, range(nrec), lambda: np.empty(rec), depth=4):
+            if block[-1] != float(k):
+                raise AssertionError(f"record {k} holds {block[-1]}")
             total += float(block[0]) * rec
-            assert block[-1] == float(k), "record content mismatch"
-            if k + depth < nrec:
-                pending[k + depth] = f.aread((k + depth) * rec * 8, ring[(k + depth) % depth])
         expect = rec * nrec * (nrec - 1) / 2
-        print(f"  read them back with {depth} reads in flight in {time.perf_counter() - t1:.3f} s; "
+        print(f"  read them back with 4 reads in flight in {time.perf_counter() - t1:.3f} s; "
               f"checksum {total:.0f} (expected {expect:.0f})")
         ok = total == expect
         f.delete()
@@ -142,12 +176,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         print("chemio bench: no benchmarks/ directory found; run it from a source checkout "
               "or pass --dir PATH/benchmarks", file=sys.stderr)
         return 2
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("chemio_benchmarks_runner",
-                                                  os.path.join(d, "runner.py"))
-    mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, d)
-    spec.loader.exec_module(mod)
+    mod = _load_script(os.path.join(d, "runner.py"), "chemio_benchmarks_runner")
     return int(mod.main(rest) or 0)
 
 
@@ -162,8 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     cl.add_argument("--root", action="append", help="scratch root to sweep (repeatable); "
                     "default: every root chemio uses here")
-    d = sub.add_parser("demo", help="run the demo job and print its I/O report")
-    d.add_argument("--records", type=int, default=64, help="number of 1 MiB records")
+    d = sub.add_parser("demo", help="the main job: out-of-core RI-MP2 checked against PySCF")
+    d.add_argument("--eaf", action="store_true", help="run the short EAF pass instead "
+                   "(no PySCF needed)")
+    d.add_argument("--records", type=int, default=64, help="1 MiB records of the --eaf pass")
     b = sub.add_parser("bench", help="run the benchmark suite (options go to the runner)",
                        add_help=False)
     b.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")

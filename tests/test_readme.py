@@ -35,7 +35,7 @@ def test_cli_demo_info_config():
     def run(*a):
         return subprocess.run([sys.executable, "-m", "chemio_py.cli", *a], capture_output=True,
                               text=True, timeout=300)
-    demo = run("demo", "--records", "8")
+    demo = run("demo", "--eaf", "--records", "8")
     assert demo.returncode == 0, demo.stderr
     assert "OK" in demo.stdout and "I/O report" in demo.stdout
     info = run("info")
@@ -49,3 +49,14 @@ def test_cli_demo_info_config():
 def test_readme_shared_file_block_under_mpi(mpirun):
     code = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "SharedFile(" in b)
     mpirun(3, code, timeout=240)
+
+
+def test_chemio_demo_is_the_ri_mp2_main_job(tmp_path):
+    import json
+    r = subprocess.run([sys.executable, "-m", "chemio_py.cli", "demo"], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["example"] == "ri_mp2" and result["abs_error"] < 1e-9
+    assert result["passes"] > 1                     # out of core: B read in several passes
+    assert "overlap" in r.stdout and "PySCF" in r.stdout
