@@ -105,7 +105,54 @@ def open_checked(path: str, flags: int, mode: str) -> int:
         raise StorageError(e.errno, path, None, None, "open", hint.get(e.errno, "")) from e
 
 
-class LocalByteStore:
+class _PosixFile:
+    """What every local store does with its descriptor: size, space, flush, eviction."""
+
+    path: str
+    writable: bool
+    _fd: int
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def _free(self) -> int | None:
+        try:
+            st = os.fstatvfs(self._fd)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            return None
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def allocated(self) -> int:
+        """Bytes the file occupies on the device (holes excluded)."""
+        return os.fstat(self._fd).st_blocks * 512
+
+    def flush(self) -> None:
+        """Make written data durable (fdatasync)."""
+        if not self.writable:
+            return
+        try:
+            os.fdatasync(self._fd)
+        except OSError as e:
+            if e.errno in _SPACE_ERRNOS:
+                raise OutOfSpaceError(self.path, None, self._free(), what="flush") from e
+            raise StorageError(e.errno, self.path, None, None, "flush") from e
+
+    def evict(self) -> None:
+        """Drop the file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
+        if self.writable:
+            os.fsync(self._fd)
+        os.posix_fadvise(self._fd, 0, 0, _ADVICE["dontneed"])
+
+
+class LocalByteStore(_PosixFile):
     """A byte-addressable POSIX file (see ``chemio_py.backends`` for the protocol)."""
 
     def __init__(self, path: str, fd: int, writable: bool, direct_fd: int | None = None):
@@ -113,10 +160,6 @@ class LocalByteStore:
         self._fd = fd
         self._dfd = direct_fd
         self.writable = writable
-
-    @property
-    def fd(self) -> int:
-        return self._fd
 
     def _fd_for(self, mv: memoryview, offset: int) -> int:
         if self._dfd is not None and not (offset | len(mv)) % DIRECT_ALIGN \
@@ -162,20 +205,6 @@ class LocalByteStore:
             raise StorageError(e.errno, self.path, offset, n, "write") from e
         return n
 
-    def _free(self) -> int | None:
-        try:
-            st = os.fstatvfs(self._fd)
-            return st.f_bavail * st.f_frsize
-        except OSError:
-            return None
-
-    def size(self) -> int:
-        return os.fstat(self._fd).st_size
-
-    def allocated(self) -> int:
-        """Bytes the file occupies on the device (holes excluded)."""
-        return os.fstat(self._fd).st_blocks * 512
-
     def truncate(self, n: int) -> None:
         try:
             os.ftruncate(self._fd, n)
@@ -201,31 +230,12 @@ class LocalByteStore:
         """Pass an access-pattern hint (normal, sequential, random, willneed, dontneed)."""
         os.posix_fadvise(self._fd, offset, length, _ADVICE[advice])
 
-    def flush(self) -> None:
-        """Make written data durable (fdatasync)."""
-        try:
-            os.fdatasync(self._fd)
-        except OSError as e:
-            if e.errno in _SPACE_ERRNOS:
-                raise OutOfSpaceError(self.path, None, self._free(), what="flush") from e
-            raise StorageError(e.errno, self.path, None, None, "flush") from e
-
-    def evict(self) -> None:
-        """Drop the file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
-        if self.writable:
-            os.fsync(self._fd)
-        os.posix_fadvise(self._fd, 0, 0, _ADVICE["dontneed"])
-
     def close(self) -> None:
         for name in ("_dfd", "_fd"):
             fd = getattr(self, name)
             if fd is not None and fd >= 0:
                 setattr(self, name, None if name == "_dfd" else -1)
                 os.close(fd)
-
-    @property
-    def closed(self) -> bool:
-        return self._fd < 0
 
     def __del__(self):
         try:
@@ -360,7 +370,7 @@ def _byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
     return memoryview(flat.view(np.uint8))
 
 
-class LocalArrayStore:
+class LocalArrayStore(_PosixFile):
     """A DiskArray's data: one POSIX file in the raw grid format (see ``chemio_py.layout``).
 
     ``read(region, out)`` / ``write(region, data)`` move a region (tuple of step-1 slices
@@ -386,14 +396,6 @@ class LocalArrayStore:
         self._map: Any = None                      # (mmap, uint8 view, address), on demand
         self._map_lock = threading.Lock()
         self._map_write_ok: bool | None = None
-
-    @property
-    def fd(self) -> int:
-        return self._fd
-
-    @property
-    def closed(self) -> bool:
-        return self._fd < 0
 
     def _check(self, region: Any, arr: np.ndarray) -> None:
         want = tuple(s.stop - s.start for s in region)
@@ -592,27 +594,6 @@ class LocalArrayStore:
 
     def write_all(self, region: Any, data: np.ndarray, comm: Any = None) -> None:
         self.write(region, data)
-
-    def size(self) -> int:
-        return os.fstat(self._fd).st_size
-
-    def allocated(self) -> int:
-        return os.fstat(self._fd).st_blocks * 512
-
-    def flush(self) -> None:
-        """Make written data durable (fdatasync)."""
-        if not self.writable:
-            return
-        try:
-            os.fdatasync(self._fd)
-        except OSError as e:
-            raise StorageError(e.errno, self.path, None, None, "flush") from e
-
-    def evict(self) -> None:
-        """Drop the file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
-        if self.writable:
-            os.fsync(self._fd)
-        os.posix_fadvise(self._fd, 0, 0, _ADVICE["dontneed"])
 
     def close(self) -> None:
         m, self._map = self._map, None

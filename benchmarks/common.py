@@ -367,22 +367,8 @@ def fresh_dir(parent: str, name: str) -> str:
 
 def fs_type(path: str) -> str:
     """File-system type holding ``path`` from the mount table (``unknown`` if not found)."""
-    p = os.path.realpath(path)
-    while not os.path.exists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/self/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
+    from chemio_py.scratch import fstype
+    return fstype(path)
 
 
 def _meminfo() -> dict:
