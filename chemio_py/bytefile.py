@@ -67,7 +67,9 @@ class ByteFile:
     # ------------------------------------------------------------ properties
     @property
     def path(self) -> str:
-        return self._path
+        """Where the bytes live now (an ``auto`` file moves from RAM to disk on a spill)."""
+        store = self._store
+        return store.path if store is not None else self._path
 
     @property
     def mode(self) -> str:
@@ -176,12 +178,19 @@ class ByteFile:
         data = contiguous(data)
         n = nbytes_of(data)
         self._before_write(offset, n)
+        native = getattr(store, "native_write", None)
+        if native is not None and not requests.sync_mode():
+            req = native(offset, data, self._write_done(n, offset), self._stats)
+            if req is not None:
+                return self._pending.add(req)
         return self._pending.add(
             requests.submit(self._do_write, store, offset, data, n, stats=self._stats))
 
     def aread(self, offset: int, out: Any) -> requests.Request:
         """Start filling ``out`` from ``offset``; ``wait()`` returns ``out``.
 
+        Data already in the page cache is read at once (the request is complete on return);
+        aligned O_DIRECT reads go to the kernel's AIO queue, the rest to the I/O pool.
         Past-the-end reads fail with ``EndOfFileError`` at ``wait()``.
         """
         store = self._open_store()
@@ -190,8 +199,33 @@ class ByteFile:
         if memoryview(out).readonly:
             raise ArgumentError(f"aread() needs a writable buffer, got a read-only "
                                 f"{type(out).__name__}")
+        nowait = getattr(store, "read_nowait", None)
+        if nowait is not None and n:
+            t0 = time.perf_counter()
+            if nowait(offset, out) == n:
+                self._stats.record("read", n, t0, time.perf_counter(), offset)
+                return requests.completed(out)
+        native = getattr(store, "native_read", None)
+        if native is not None and not requests.sync_mode():
+            req = native(offset, out, self._read_done(out, n, offset, store), self._stats)
+            if req is not None:
+                return self._pending.add(req)
         return self._pending.add(
             requests.submit(self._do_read, store, offset, out, n, stats=self._stats))
+
+    def _read_done(self, out: Any, n: int, offset: int, store: Any):
+        def done(got: int, t0: float, t1: float) -> Any:
+            self._stats.record("read", got, t0, t1, offset)
+            if got < n:
+                raise EndOfFileError(self.path, offset, n, store.size())
+            return out
+        return done
+
+    def _write_done(self, n: int, offset: int):
+        def done(wrote: int, t0: float, t1: float) -> int:
+            self._stats.record("write", wrote, t0, t1, offset)
+            return wrote
+        return done
 
     @property
     def outstanding(self) -> int:

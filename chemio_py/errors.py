@@ -130,6 +130,10 @@ class SyncError(ChemIOError, RuntimeError):
     """A counter or mutex was used wrongly (freed, not held, acquired twice)."""
 
 
+class SpillWarning(UserWarning):
+    """A file of the ``auto`` backend moved from RAM to disk (its data intact)."""
+
+
 class CollectiveError(ChemIOError):
     """Another rank failed in a collective call; ``failures`` maps rank -> its reason."""
 
@@ -144,4 +148,5 @@ __all__ = [
     "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
     "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",
+    "SpillWarning",
 ]

@@ -26,7 +26,7 @@ for var in ("CHEMIO_SHARED_SCRATCH", "CHEMIO_BACKEND", "CHEMIO_CONFIG", "CHEMIO_
     os.environ.pop(var, None)
 
 import chemio_py as cio  # noqa: E402
-from chemio_py import config, scratch  # noqa: E402
+from chemio_py import config, scratch, stats  # noqa: E402
 import chemio_py.backends as backends  # noqa: E402
 
 SHM_DIR = os.environ.get("CHEMIO_SHM_DIR", "/dev/shm")
@@ -69,6 +69,7 @@ def _leftovers(root: str) -> list[str]:
 def _clean_scratch_after_test():
     """Reset settings; after the test, clean up as at exit and demand an empty root."""
     config.reset()
+    stats.reset()
     yield
     config.reset()
     scratch.cleanup()
