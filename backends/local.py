@@ -13,15 +13,19 @@ import errno
 import mmap
 import os
 import stat as _stat
+import time
 from typing import Any
 
 import numpy as np
 
 from chemio_py import config, scratch
+
+from . import linux_aio
 from chemio_py.errors import OutOfSpaceError, StorageError
 
 DIRECT_ALIGN = 4096
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _MODES = {
     "r": os.O_RDONLY,
     "r+": os.O_RDWR,
@@ -160,6 +164,7 @@ class LocalByteStore(_PosixFile):
         self._fd = fd
         self._dfd = direct_fd
         self.writable = writable
+        self._nowait = _RWF_NOWAIT
 
     def _fd_for(self, mv: memoryview, offset: int) -> int:
         if self._dfd is not None and not (offset | len(mv)) % DIRECT_ALIGN \
@@ -204,6 +209,67 @@ class LocalByteStore(_PosixFile):
                 return self.pwrite(offset, mv)
             raise StorageError(e.errno, self.path, offset, n, "write") from e
         return n
+
+    # -------------------------------------------------------------- native asynchrony
+    def read_nowait(self, offset: int, out: Any) -> int:
+        """Read now if all the data is in the page cache (RWF_NOWAIT); -1 if it would block.
+
+        Lets an async read of cached data complete in the caller, with no thread hand-off.
+        """
+        if self._nowait is None:
+            return -1
+        mv = _bytes_view(out, writable=True)
+        try:
+            got = os.preadv(self._fd, (mv,), offset, self._nowait)
+        except BlockingIOError:
+            return -1
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = None         # this file system does not take the flag
+            return -1                       # the regular path reports real errors
+        return got if got == len(mv) else -1
+
+    def _aio_target(self, mv: memoryview, offset: int) -> int | None:
+        if self._dfd is None or (offset | len(mv)) % DIRECT_ALIGN or not len(mv):
+            return None
+        addr = _address(mv)
+        return None if addr % DIRECT_ALIGN else addr
+
+    def native_read(self, offset: int, out: Any, then: Any, stats: Any = None) -> Any:
+        """Start an aligned O_DIRECT read through Linux AIO; None when not eligible.
+
+        The request's value is ``then(count, t0, t1)`` (count may be short at end of file).
+        """
+        mv = _bytes_view(out, writable=True)
+        addr = self._aio_target(mv, offset)
+        eng = linux_aio.engine() if addr is not None else None
+        if eng is None:
+            return None
+
+        def done(res: int, t0: float, t1: float) -> Any:
+            if res < 0:
+                raise StorageError(-res, self.path, offset, len(mv), "read")
+            return then(res, t0, t1)
+        return eng.submit(False, self._dfd, addr, len(mv), offset, mv, done, stats)
+
+    def native_write(self, offset: int, data: Any, then: Any, stats: Any = None) -> Any:
+        """Start an aligned O_DIRECT write through Linux AIO; None when not eligible."""
+        mv = _bytes_view(data, writable=False)
+        addr = self._aio_target(mv, offset)
+        eng = linux_aio.engine() if addr is not None else None
+        if eng is None:
+            return None
+        n = len(mv)
+
+        def done(res: int, t0: float, t1: float) -> Any:
+            if res < 0:
+                if -res in _SPACE_ERRNOS:
+                    raise OutOfSpaceError(self.path, n, self._free(), what="write")
+                raise StorageError(-res, self.path, offset, n, "write")
+            if res < n:                     # rare: finish the rest through the page cache
+                self.pwrite(offset + res, mv[res:])
+            return then(n, t0, time.perf_counter())
+        return eng.submit(True, self._dfd, addr, n, offset, mv, done, stats)
 
     def truncate(self, n: int) -> None:
         try:

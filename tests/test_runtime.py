@@ -103,10 +103,10 @@ def test_mpi_comm_collectives_and_agreement(mpirun):
                     raise ValueError("disk on fire")
         except CollectiveError as e:
             assert c.rank != 1 and e.failures == {1: "ValueError: disk on fire"}, e
-            print("collective error seen on", c.rank)
+            print(f"collective error seen on {c.rank}", flush=True)
         except ValueError:
             assert c.rank == 1
-            print("own error on", c.rank)
+            print(f"own error on {c.rank}", flush=True)
         c.barrier()
     """)
     assert p.stdout.count("collective error seen") == 2 and "own error on 1" in p.stdout
@@ -125,7 +125,7 @@ def test_mpi_exclusive_files_are_private_and_cleaned(mpirun, scratch_root):
         assert oct(os.stat(f.path).st_mode & 0o777) == "0o600"
         assert oct(os.stat(os.path.dirname(f.path)).st_mode & 0o777) == "0o700"
         f.close()
-        print("ok", c.rank)
+        print(f"ok {c.rank}", flush=True)
     """)
     assert p.stdout.count("ok") == 3
     assert os.listdir(scratch_root) == []
@@ -149,7 +149,7 @@ def test_trace_file_is_chrome_json(tmp_path):
     trace = tmp_path / "io.json"
     code = ("import chemio_py as cio\n"
             "with cio.ExclusiveFile('traced', 'w+') as f:\n"
-            "    f.write(0, b'x' * 100); f.aread(0, bytearray(100)).wait(); f.delete()\n")
+            "    f.awrite(0, b'x' * 100).wait(); f.aread(0, bytearray(100)).wait(); f.delete()\n")
     subprocess.run([sys.executable, "-c", code], check=True,
                    env={**os.environ, "CHEMIO_TRACE": str(trace)})
     events = json.loads(trace.read_text())["traceEvents"]
