@@ -10,12 +10,12 @@ import os
 import socket
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from . import config
-from .errors import ChemIOError, CollectiveError
+from .errors import ArgumentError, ChemIOError, CollectiveError
 
 # Variables that MPI launchers (hydra/MPICH, Open MPI, PMIx, MVAPICH, Cray ALPS) set per rank.
 LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
@@ -52,6 +52,19 @@ class Comm:
         and their reasons. No rank is left waiting in the next collective.
         """
         return _Agreement(self, what)
+
+    def same_everywhere(self, value: Any, what: str, explain: Callable[[Any, Any], str]) -> None:
+        """Collective: every rank raises unless all passed a value equal to rank 0's.
+
+        The rank that differs raises ``ArgumentError(explain(mine, rank0s))``; the others
+        raise ``CollectiveError`` naming it.
+        """
+        if self.size == 1:
+            return
+        v0 = self.bcast(value if self.rank == 0 else None)
+        with self.agree(what):
+            if value != v0:
+                raise ArgumentError(explain(value, v0))
 
     def hostname(self) -> str:
         return socket.gethostname()

@@ -247,14 +247,11 @@ class DiskArray:
                         be_name, "it cannot store DiskArrays (no open_array)",
                         "choose another backend, e.g. backend='local'")
                 spec = (name, shape_t, dt.str, ch, be_name, keep)
+            c.same_everywhere(spec, what, lambda mine, first: (
+                f"rank {c.rank} asked for DiskArray.create{mine[:4]} on backend {mine[4]!r} "
+                f"but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass the same "
+                f"name, shape, dtype, layout and backend"))
             if c.size > 1:
-                spec0 = c.bcast(spec if c.rank == 0 else None)
-                with c.agree(what):
-                    if spec != spec0:
-                        raise ArgumentError(
-                            f"rank {c.rank} asked for DiskArray.create{spec[:4]} on backend "
-                            f"{spec[4]!r} but rank 0 for {spec0[:4]} on {spec0[4]!r}; every "
-                            f"rank must pass the same name, shape, dtype, layout and backend")
                 check = getattr(be, "check_collective", None)
                 if check is not None:                 # e.g. shm: every rank on one node
                     with c.agree(what):

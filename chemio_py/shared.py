@@ -104,14 +104,12 @@ class SharedFile(ByteFile):
                 reserve = 0 if soft is None else _round_up(soft, req or 1)
                 if hard is not None:
                     reserve = min(reserve, hard)
+            c.same_everywhere(spec, what, lambda mine, first: (
+                f"rank {c.rank} asked for SharedFile{_fmt_spec(mine)} but rank 0 for "
+                f"SharedFile{_fmt_spec(first)}; every rank must pass the same name, limits, "
+                f"request_size and backend"))
             if c.size > 1:
-                spec0, host0 = c.bcast((spec, socket.gethostname()) if c.rank == 0 else None)
-                with c.agree(what):
-                    if spec != spec0:
-                        raise ArgumentError(
-                            f"rank {c.rank} asked for SharedFile{_fmt_spec(spec)} but rank 0 "
-                            f"for SharedFile{_fmt_spec(spec0)}; every rank must pass the "
-                            f"same name, limits, request_size and backend")
+                host0 = c.bcast(socket.gethostname() if c.rank == 0 else None)
                 check = getattr(be, "check_collective", None)
                 if check is not None:           # e.g. shm: every rank on one node
                     with c.agree(what):
