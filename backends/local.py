@@ -88,7 +88,7 @@ def _bytes_view(buf: Any, writable: bool) -> memoryview:
 
 
 def _address(mv: memoryview) -> int:
-    return np.frombuffer(mv, dtype=np.uint8).ctypes.data if len(mv) else 0
+    return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
 def open_checked(path: str, flags: int, mode: str) -> int:

@@ -199,17 +199,17 @@ class ByteFile:
         if memoryview(out).readonly:
             raise ArgumentError(f"aread() needs a writable buffer, got a read-only "
                                 f"{type(out).__name__}")
+        native = getattr(store, "native_read", None)
+        if native is not None and not requests.sync_mode():
+            req = native(offset, out, self._read_done(out, n, offset, store), self._stats)
+            if req is not None:
+                return self._pending.add(req)
         nowait = getattr(store, "read_nowait", None)
         if nowait is not None and n:
             t0 = time.perf_counter()
             if nowait(offset, out) == n:
                 self._stats.record("read", n, t0, time.perf_counter(), offset)
                 return requests.completed(out)
-        native = getattr(store, "native_read", None)
-        if native is not None and not requests.sync_mode():
-            req = native(offset, out, self._read_done(out, n, offset, store), self._stats)
-            if req is not None:
-                return self._pending.add(req)
         return self._pending.add(
             requests.submit(self._do_read, store, offset, out, n, stats=self._stats))
 
