@@ -511,9 +511,36 @@ class LocalArrayStore(_PosixFile):
         runs = self.layout.runs(region, arr.strides, sieve=sieve)
         if write:
             self._prefetch_partial_pages(runs)
+        else:
+            self._prefetch_runs(runs)
         for off, moffs, lens in runs:
             views = [base[m:m + n] if m >= 0 else trash[:n] for m, n in zip(moffs, lens)]
             self._vector_io(write, off, views, sum(lens))
+
+    def _prefetch_runs(self, runs: list) -> None:
+        """Ask the kernel to read the runs ahead, nearby runs in one request.
+
+        Tasks of one section read different parts of the file at once through one
+        descriptor, which the kernel's readahead takes for random access; announcing the
+        ranges keeps the device busy with large requests.
+        """
+        start = end = -1
+        for off, _, lens in runs:
+            stop = off + sum(lens)
+            if start >= 0 and off - end <= _PREFETCH_GAP_PAGES * mmap.PAGESIZE:
+                end = max(end, stop)
+                continue
+            if start >= 0:
+                self._willneed(start, end)
+            start, end = off, stop
+        if start >= 0:
+            self._willneed(start, end)
+
+    def _willneed(self, start: int, end: int) -> None:
+        try:
+            os.posix_fadvise(self._fd, start, end - start, _ADVICE["willneed"])
+        except OSError:
+            pass
 
     def _prefetch_partial_pages(self, runs: list) -> None:
         """Ask the kernel to read, in bulk and ahead, the pages a write covers only in part.
