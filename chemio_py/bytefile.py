@@ -44,6 +44,16 @@ def contiguous(data: Any) -> Any:
     return data
 
 
+def byte_view(data: Any) -> memoryview:
+    """A C-contiguous memoryview of ``data`` (a strided array is copied first)."""
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
+                            f"{type(data).__name__}") from None
+    return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))
+
+
 def nbytes_of(buf: Any) -> int:
     try:
         return memoryview(buf).nbytes
@@ -101,8 +111,10 @@ class ByteFile:
         return st
 
     # ------------------------------------------------------------ hooks for subclasses
+    _limited = False        # True in subclasses whose _before_write checks something
+
     def _before_write(self, offset: int, nbytes: int) -> None:
-        """Check a write before any byte moves (limits)."""
+        """Check a write before any byte moves (limits); set ``_limited`` when overriding."""
 
     # ------------------------------------------------------------ the I/O bodies
     def _do_write(self, store: Any, offset: int, data: Any, n: int) -> int:
@@ -132,12 +144,13 @@ class ByteFile:
             store = self._writable_store()
         if type(offset) is not int or offset < 0:
             offset = check_offset(offset)
-        data = contiguous(data)
-        n = nbytes_of(data)
-        self._before_write(offset, n)
+        mv = data if type(data) is memoryview else byte_view(data)
+        n = mv.nbytes
+        if self._limited:
+            self._before_write(offset, n)
         t0 = time.perf_counter()
         try:
-            store.pwrite(offset, data)
+            store.pwrite(offset, mv)
         finally:
             self._stats.record_blocking("write", n, t0, time.perf_counter(), offset)
         return n

@@ -174,6 +174,8 @@ class SharedFile(ByteFile):
                 _live[path] = weakref.ref(self)
 
     # ------------------------------------------------------------ limits and layout
+    _limited = True
+
     def _before_write(self, offset: int, nbytes: int) -> None:
         end = offset + nbytes
         if self.hard_limit is not None and end > self.hard_limit:
