@@ -22,6 +22,7 @@ from chemio_py import config, scratch
 
 from . import linux_aio
 from chemio_py.errors import OutOfSpaceError, StorageError
+from chemio_py.layout import c_strides
 
 DIRECT_ALIGN = 4096
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -645,7 +646,7 @@ class LocalArrayStore(_PosixFile):
         lay, isz, page = self.layout, self.dtype.itemsize, mmap.PAGESIZE
         spans = []
         for p in lay.pieces(region):
-            st = _c_strides_local(p.extent, isz)
+            st = c_strides(p.extent, isz)
             local = [a - i * c for a, i, c in zip(p.start, p.index, lay.chunks)]
             first = p.offset + sum(l * s for l, s in zip(local, st))
             last = p.offset + sum((l + k - 1) * s for l, k, s in zip(local, p.shape, st)) + isz
@@ -706,15 +707,6 @@ class LocalArrayStore(_PosixFile):
             self.close()
         except Exception:
             pass
-
-
-def _c_strides_local(extent: Any, itemsize: int) -> list[int]:
-    st = [0] * len(extent)
-    acc = itemsize
-    for k in range(len(extent) - 1, -1, -1):
-        st[k] = acc
-        acc *= extent[k]
-    return st
 
 
 _mincore_fn: list[Any] = []

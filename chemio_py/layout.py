@@ -106,7 +106,8 @@ def relative(region: Region, inner: Region) -> tuple[slice, ...]:
     return tuple(slice(i.start - o.start, i.stop - o.start) for o, i in zip(region, inner))
 
 
-def _c_strides(extent: Sequence[int], itemsize: int) -> list[int]:
+def c_strides(extent: Sequence[int], itemsize: int) -> list[int]:
+    """Byte strides of a C-ordered block of ``extent`` items of ``itemsize`` bytes."""
     st = [0] * len(extent)
     acc = itemsize
     for k in range(len(extent) - 1, -1, -1):
@@ -243,7 +244,7 @@ class Layout:
         rstart = [s.start for s in region]
         ds, ms, ns = [], [], []
         for p in self.pieces(region):
-            dstr = _c_strides(p.extent, isz)
+            dstr = c_strides(p.extent, isz)
             local = [a - i * c for a, i, c in zip(p.start, p.index, self.chunks)]
             a = max(_contiguous_from(p.shape, dstr, isz),
                     _contiguous_from(p.shape, mem_strides, isz))
