@@ -33,10 +33,15 @@ SHM_DIR = os.environ.get("CHEMIO_SHM_DIR", "/dev/shm")
 
 
 def _shm_entries() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM_DIR) if "chemio" in n}
-    except OSError:
-        return set()
+    """chemio segments in the shm dir, and MPICH's in /dev/shm (left by killed MPI jobs)."""
+    found = set()
+    for d, match in ((SHM_DIR, lambda n: "chemio" in n),
+                     ("/dev/shm", lambda n: n.startswith("mpich_shm_"))):
+        try:
+            found |= {os.path.join(d, n) for n in os.listdir(d) if match(n)}
+        except OSError:
+            pass
+    return found
 
 
 _SHM_BEFORE = _shm_entries()
