@@ -70,7 +70,6 @@ class Engine:
         self._entries: list[tuple | None] = [None] * QUEUE_DEPTH
         self._free = list(range(QUEUE_DEPTH))
         self._lock = threading.Lock()
-        self._room = threading.Semaphore(QUEUE_DEPTH)
         self._events = (_Event * BATCH)()
         self._reaper = threading.Thread(target=self._reap, name="chemio-aio", daemon=True)
         self._reaper.start()
@@ -82,11 +81,12 @@ class Engine:
 
         ``result`` is the byte count or a negative errno; ``then`` raises for errors.
         ``keep`` (the buffer) stays referenced until completion. Returns None when the
-        kernel refuses the request (the caller falls back to the pool).
+        kernel refuses the request or all slots are in use (the caller then uses the pool).
         """
         req = requests.Request(stats)
-        self._room.acquire()
         with self._lock:
+            if not self._free:
+                return None                 # the kernel queue is full: use the pool
             slot = self._free.pop()
             self._entries[slot] = (req, keep, then, time.perf_counter())
         cb = self._cbs[slot]
@@ -107,7 +107,6 @@ class Engine:
         with self._lock:
             entry, self._entries[slot] = self._entries[slot], None
             self._free.append(slot)
-        self._room.release()
         return entry
 
     def _reap(self) -> None:

@@ -206,21 +206,29 @@ class ByteFile:
         aligned O_DIRECT reads go to the kernel's AIO queue, the rest to the I/O pool.
         Past-the-end reads fail with ``EndOfFileError`` at ``wait()``.
         """
-        store = self._open_store()
-        offset = check_offset(offset)
-        n = nbytes_of(out)
-        if memoryview(out).readonly:
+        store = self._store
+        if store is None:
+            store = self._open_store()
+        if type(offset) is not int or offset < 0:
+            offset = check_offset(offset)
+        try:
+            mv = out if type(out) is memoryview else memoryview(out)
+        except TypeError:
+            raise ArgumentError(f"aread() needs a writable buffer, got "
+                                f"{type(out).__name__}") from None
+        if mv.readonly:
             raise ArgumentError(f"aread() needs a writable buffer, got a read-only "
                                 f"{type(out).__name__}")
+        n = mv.nbytes
         native = getattr(store, "native_read", None)
         if native is not None and not requests.sync_mode():
-            req = native(offset, out, self._read_done(out, n, offset, store), self._stats)
+            req = native(offset, mv, self._read_done(out, n, offset, store), self._stats)
             if req is not None:
                 return self._pending.add(req)
         nowait = getattr(store, "read_nowait", None)
         if nowait is not None and n:
             t0 = time.perf_counter()
-            if nowait(offset, out) == n:
+            if nowait(offset, mv) == n:
                 self._stats.record("read", n, t0, time.perf_counter(), offset)
                 return requests.completed(out)
         return self._pending.add(
