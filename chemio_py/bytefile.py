@@ -37,13 +37,6 @@ def check_offset(offset: Any, what: str = "offset") -> int:
     return off
 
 
-def contiguous(data: Any) -> Any:
-    """``data`` itself, or a C-contiguous copy of a strided NumPy array (writes only)."""
-    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
-        return np.ascontiguousarray(data)
-    return data
-
-
 def byte_view(data: Any) -> memoryview:
     """A C-contiguous memoryview of ``data`` (a strided array is copied first)."""
     try:
@@ -186,18 +179,22 @@ class ByteFile:
     # ------------------------------------------------------------ asynchronous
     def awrite(self, offset: int, data: Any) -> requests.Request:
         """Start writing ``data`` at ``offset``; do not modify ``data`` until it completes."""
-        store = self._writable_store()
-        offset = check_offset(offset)
-        data = contiguous(data)
-        n = nbytes_of(data)
-        self._before_write(offset, n)
+        store = self._store
+        if store is None or self._mode == "r":
+            store = self._writable_store()
+        if type(offset) is not int or offset < 0:
+            offset = check_offset(offset)
+        mv = data if type(data) is memoryview else byte_view(data)
+        n = mv.nbytes
+        if self._limited:
+            self._before_write(offset, n)
         native = getattr(store, "native_write", None)
         if native is not None and not requests.sync_mode():
-            req = native(offset, data, self._write_done(n, offset), self._stats)
+            req = native(offset, mv, self._write_done(n, offset), self._stats)
             if req is not None:
                 return self._pending.add(req)
         return self._pending.add(
-            requests.submit(self._do_write, store, offset, data, n, stats=self._stats))
+            requests.submit(self._do_write, store, offset, mv, n, stats=self._stats))
 
     def aread(self, offset: int, out: Any) -> requests.Request:
         """Start filling ``out`` from ``offset``; ``wait()`` returns ``out``.
