@@ -145,7 +145,7 @@ class ByteFile:
         try:
             store.pwrite(offset, mv)
         finally:
-            self._stats.record_blocking("write", n, t0, time.perf_counter(), offset)
+            self._stats.record("write", n, t0, time.perf_counter(), offset, True)
         return n
 
     def read(self, offset: int, out: Any) -> Any:
@@ -164,7 +164,7 @@ class ByteFile:
         try:
             got = store.pread(offset, out)
         finally:
-            self._stats.record_blocking("read", got, t0, time.perf_counter(), offset)
+            self._stats.record("read", got, t0, time.perf_counter(), offset, True)
         if got < n or (n == 0 and offset > store.size()):
             raise EndOfFileError(self.path, offset, n, store.size())
         return out

@@ -41,21 +41,12 @@ class FileStats:
         self.wait_seconds = 0.0
         self._lock = threading.Lock()
 
-    def record(self, op: str, nbytes: int, t0: float, t1: float, offset: int | None = None) -> None:
-        """Count one I/O call of ``nbytes`` that ran from ``t0`` to ``t1`` (perf_counter)."""
-        with self._lock:
-            if op == "read":
-                self.reads += 1
-                self.bytes_read += nbytes
-            else:
-                self.writes += 1
-                self.bytes_written += nbytes
-            self.io_seconds += t1 - t0
-        if _trace.on:
-            _trace.event(op, "io", t0, t1, {"file": self.name, "offset": offset, "bytes": nbytes})
+    def record(self, op: str, nbytes: int, t0: float, t1: float, offset: int | None = None,
+               blocking: bool = False) -> None:
+        """Count one I/O call of ``nbytes`` that ran from ``t0`` to ``t1`` (perf_counter).
 
-    def record_blocking(self, op: str, nbytes: int, t0: float, t1: float, offset: int) -> None:
-        """Count a blocking call: its I/O time is also time the caller waited."""
+        ``blocking``: the caller waited for all of it (its I/O time is also wait time).
+        """
         with self._lock:
             if op == "read":
                 self.reads += 1
@@ -64,7 +55,8 @@ class FileStats:
                 self.writes += 1
                 self.bytes_written += nbytes
             self.io_seconds += t1 - t0
-            self.wait_seconds += t1 - t0
+            if blocking:
+                self.wait_seconds += t1 - t0
         if _trace.on:
             _trace.event(op, "io", t0, t1, {"file": self.name, "offset": offset, "bytes": nbytes})
 
