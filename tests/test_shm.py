@@ -228,8 +228,9 @@ def test_shrink_gets_in_while_another_process_reads_nonstop(tmp_path):
             import chemio_py.backends as b
             s = b.resolve("shm").open_bytes({path!r}, "r")
             buf = np.empty(2**20, np.uint8)
+            assert s.pread(0, buf) == buf.size        # reading before the parent shrinks
             print("START", flush=True)
-            t0, n = time.monotonic(), 0
+            t0, n = time.monotonic(), 1
             while time.monotonic() - t0 < 60:
                 k = s.pread(0, buf)
                 n += 1
