@@ -282,6 +282,17 @@ def _direct_ok(path: str) -> bool:
         return False
 
 
+def _windowed_reads(f: Any, reads: list) -> None:
+    """``aread`` every (offset, buffer) with ``IN_FLIGHT`` requests kept in flight."""
+    aread, window = f.aread, collections.deque()
+    for off, buf in reads:
+        if len(window) >= IN_FLIGHT:
+            window.popleft().wait()
+        window.append(aread(off, buf))
+    while window:
+        window.popleft().wait()
+
+
 def _async_case(workdir: str, src: np.ndarray, dst: np.ndarray, size: int, chunk: int,
                 reps: int, seed: int, fio_runtime: int) -> list[dict]:
     """Cold random reads of ``chunk`` bytes: blocking EAF read vs 16 EAF areads in flight,
@@ -314,14 +325,8 @@ def _async_case(workdir: str, src: np.ndarray, dst: np.ndarray, size: int, chunk
                         for off, buf in pat.r:
                             read(off, buf)
                     else:
-                        aread, window = f.aread, collections.deque()
                         t0 = time.perf_counter()
-                        for off, buf in pat.r:
-                            if len(window) >= IN_FLIGHT:
-                                window.popleft().wait()
-                            window.append(aread(off, buf))
-                        while window:
-                            window.popleft().wait()
+                        _windowed_reads(f, pat.r)
                     times[kind].append(time.perf_counter() - t0)
                 _check(dst, src, pat.nbytes, f"eaf {kind} {mode} chunk {chunk}")
         tb, ta = statistics.median(times["blocking"]), statistics.median(times["async"])
@@ -337,14 +342,8 @@ def _async_case(workdir: str, src: np.ndarray, dst: np.ndarray, size: int, chunk
     with cio.ExclusiveFile(name, "r", dir=workdir, backend="local", direct=False) as f:
         for off, buf in pat.r:
             f.read(off, buf)                   # make it warm
-        aread, window = f.aread, collections.deque()
         t0 = time.perf_counter()
-        for off, buf in pat.r:
-            if len(window) >= IN_FLIGHT:
-                window.popleft().wait()
-            window.append(aread(off, buf))
-        while window:
-            window.popleft().wait()
+        _windowed_reads(f, pat.r)
         tw = time.perf_counter() - t0
     rows.append(row(f"warm read {label}: eaf async x{IN_FLIGHT} (request ceiling)", "reads/s",
                     nops / tw, note="all data in the page cache: cost of the request "

@@ -172,6 +172,11 @@ def _get_pool() -> _Pool:
         return _pool[0]
 
 
+def queued() -> int:
+    """Requests waiting in the I/O pool's queue (not yet picked up by a thread)."""
+    return _pool[0].queue.qsize() if _pool else 0
+
+
 def sync_mode() -> bool:
     """True when every async call completes before returning (``CHEMIO_SYNC=1``)."""
     if not _sync_mode:

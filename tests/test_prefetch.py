@@ -40,11 +40,7 @@ def _other_threads() -> set[int]:
 
 def _pool_idle() -> bool:
     """No task waits in the I/O pool's queue."""
-    pool = requests._pool[0] if requests._pool else None
-    if pool is None:
-        return True
-    q = getattr(pool, "queue", None) or getattr(pool, "_work_queue")
-    return q.qsize() == 0
+    return requests.queued() == 0
 
 
 def _assert_quiet(f, threads_before: set[int], *pipes) -> None:

@@ -132,3 +132,18 @@ def test_cancel_before_start():
         assert blocker.cancel() is False
     finally:
         cio.configure(io_threads=None)
+
+
+def test_queued_counts_requests_not_yet_picked_up():
+    cio.configure(io_threads=1)
+    try:
+        gate, started = threading.Event(), threading.Event()
+        blocker = requests.submit(lambda: (started.set(), gate.wait()))
+        assert started.wait(10)                # the single thread has taken it
+        waiting = [requests.submit(lambda: None) for _ in range(3)]
+        assert requests.queued() == 3
+        gate.set()
+        cio.waitall([blocker, *waiting])
+        assert requests.queued() == 0
+    finally:
+        cio.configure(io_threads=None)
