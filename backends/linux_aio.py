@@ -20,12 +20,16 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from chemio_py import requests
 
 # io_setup, io_destroy, io_getevents, io_submit
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 IOCB_CMD_PREAD, IOCB_CMD_PWRITE = 0, 1
-QUEUE_DEPTH = 256
+QUEUE_DEPTH = 256          # single requests in flight
+BLOCK = 32                 # control blocks of one submitted group (submit_many)
+BLOCKS = 8                 # groups in flight: BLOCKS * BLOCK more requests
 BATCH = 64
 REAP_WAIT_NS = 200_000
 
@@ -37,6 +41,27 @@ class _IOCB(ctypes.Structure):
                 ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
                 ("offset", ctypes.c_int64), ("reserved2", ctypes.c_uint64),
                 ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+
+# The same control block as a NumPy record: submit_many fills a group's fields with a few
+# vector assignments instead of one ctypes attribute store per field and request.
+_IOCB_DTYPE = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"),
+                        ("opcode", "<u2"), ("reqprio", "<i2"), ("fildes", "<u4"),
+                        ("buf", "<u8"), ("nbytes", "<u8"), ("offset", "<i8"),
+                        ("reserved2", "<u8"), ("flags", "<u4"), ("resfd", "<u4")])
+_EVENT_DTYPE = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
+
+
+class _Group:
+    """One submit_many call: its request, the per-transfer results, what is left."""
+
+    __slots__ = ("req", "keep", "then", "t0", "results", "left")
+
+    def __init__(self, req: requests.Request, keep: Any, then: Callable, n: int):
+        self.req, self.keep, self.then = req, keep, then
+        self.t0 = time.perf_counter()
+        self.results = [0] * n
+        self.left = n
 
 
 class _Timespec(ctypes.Structure):
@@ -61,7 +86,7 @@ class Engine:
         self._syscall = libc.syscall
         self._syscall.restype = ctypes.c_long
         self._ctx = ctypes.c_ulong(0)
-        if self._syscall(nr[0], QUEUE_DEPTH, ctypes.byref(self._ctx)) != 0:
+        if self._syscall(nr[0], QUEUE_DEPTH + BLOCKS * BLOCK, ctypes.byref(self._ctx)) != 0:
             raise OSError(ctypes.get_errno(), "io_setup failed")
         self._cbs = [_IOCB() for _ in range(QUEUE_DEPTH)]
         for slot, cb in enumerate(self._cbs):
@@ -71,6 +96,22 @@ class Engine:
         self._free = list(range(QUEUE_DEPTH))
         self._lock = threading.Lock()
         self._events = (_Event * BATCH)()
+        self._event_rec = np.frombuffer(self._events, dtype=_EVENT_DTYPE)
+        # Group control blocks: block b holds BLOCK records whose ``data`` is
+        # QUEUE_DEPTH + b * BLOCK + i, so a completion names its group and its place.
+        self._gcbs = np.zeros((BLOCKS, BLOCK), dtype=_IOCB_DTYPE)
+        self._gcbs["data"] = QUEUE_DEPTH + np.arange(BLOCKS * BLOCK).reshape(BLOCKS, BLOCK)
+        # The same blocks as 8 little-endian words per control block: word 2 holds opcode
+        # (bits 0-15) and fildes (bits 32-63), words 3-5 buf, nbytes and offset.
+        self._gwords = self._gcbs.view(np.uint64).reshape(BLOCKS, BLOCK, 8)
+        self._gptrs = (self._gcbs.ctypes.data + _IOCB_DTYPE.itemsize
+                       * np.arange(BLOCKS * BLOCK, dtype=np.uint64)).reshape(BLOCKS, BLOCK)
+        self._gptr_addr = [ctypes.c_void_p(self._gptrs[b].ctypes.data) for b in range(BLOCKS)]
+        self._gowner: list[tuple | None] = [None] * BLOCKS    # (group, first index, count)
+        self._gleft = [0] * BLOCKS
+        self._gfree = list(range(BLOCKS))
+        self._busy = 0
+        self._deliver_lock = threading.Lock()
         self._reaper = threading.Thread(target=self._reap, name="chemio-aio", daemon=True)
         self._reaper.start()
 
@@ -88,6 +129,7 @@ class Engine:
             if not self._free:
                 return None                 # the kernel queue is full: use the pool
             slot = self._free.pop()
+            self._busy += 1
             self._entries[slot] = (req, keep, then, time.perf_counter())
         cb = self._cbs[slot]
         cb.opcode = IOCB_CMD_PWRITE if write else IOCB_CMD_PREAD
@@ -103,11 +145,117 @@ class Engine:
             raise OSError(err, os.strerror(err))
         return req
 
+    def submit_many(self, write: bool, fd: int, addresses: np.ndarray, sizes: np.ndarray,
+                    offsets: np.ndarray, keep: Any,
+                    then: Callable[[list, float, float], Any],
+                    stats: Any = None) -> requests.Request | None:
+        """Queue many O_DIRECT transfers with one system call per ``BLOCK`` of them.
+
+        One request stands for all of them; ``then(results, t0, t1)`` gives its value, with
+        ``results[i]`` the byte count of transfer ``i`` or a negative errno. Returns None
+        (nothing queued) when there are not enough free blocks or the kernel refuses the
+        first block: the caller then moves the data another way.
+        """
+        n = len(offsets)
+        need = -(-n // BLOCK)
+        req = requests.Request(stats)
+        group = _Group(req, keep, then, n)
+        with self._lock:
+            if len(self._gfree) < need:
+                return None
+            blocks = [self._gfree.pop() for _ in range(need)]
+            self._busy += n
+        op_fd = (IOCB_CMD_PWRITE if write else IOCB_CMD_PREAD) | (fd << 32)
+        for j, b in enumerate(blocks):
+            lo, hi = j * BLOCK, min(n, (j + 1) * BLOCK)
+            k = hi - lo
+            self._gowner[b] = (group, lo, k)
+            self._gleft[b] = k
+            w = self._gwords[b, :k]
+            w[:, 2] = op_fd
+            w[:, 3] = addresses[lo:hi]
+            w[:, 4] = sizes[lo:hi]
+            w[:, 5] = offsets[lo:hi]
+            got = self._syscall(self._nr[3], self._ctx, ctypes.c_long(k), self._gptr_addr[b])
+            if got == k:
+                continue
+            err = ctypes.get_errno() if got < 0 else errno.EAGAIN
+            if j == 0 and got <= 0:
+                with self._lock:                      # nothing queued: let the caller decide
+                    self._busy -= n
+                    self._gfree.extend(blocks)
+                    for b2 in blocks:
+                        self._gowner[b2] = None
+                if err in (errno.EINVAL, errno.EAGAIN, errno.EOPNOTSUPP, errno.ENOSYS):
+                    return None
+                raise OSError(err, os.strerror(err))
+            # Part of the group is queued and cannot be taken back: fail the rest, which
+            # completes the request (with this error) once the queued part is done.
+            self._complete_unqueued(group, blocks[j:], max(got, 0), err)
+            break
+        return req
+
+    def _complete_unqueued(self, group: _Group, blocks: list, queued_in_first: int,
+                           err: int) -> None:
+        events = []
+        for j, b in enumerate(blocks):
+            _, lo, k = self._gowner[b]
+            start = queued_in_first if j == 0 else 0
+            events += [(QUEUE_DEPTH + b * BLOCK + i, -err) for i in range(start, k)]
+        self._complete(events, time.perf_counter())
+
     def _release(self, slot: int) -> tuple | None:
         with self._lock:
             entry, self._entries[slot] = self._entries[slot], None
             self._free.append(slot)
+            self._busy -= 1
         return entry
+
+    def _complete(self, events: Any, t1: float) -> None:
+        """Deliver ``(data, res)`` completions: single requests and group members."""
+        with self._deliver_lock:            # the reaper, or a submitter failing a group's rest
+            self._deliver(events, t1)
+
+    def _deliver(self, events: Any, t1: float) -> None:
+        finished_groups, freed, members = [], [], 0
+        for data, res in events:
+            if data < QUEUE_DEPTH:
+                entry = self._release(data)
+                if entry is None:
+                    continue
+                req, _keep, then, t0 = entry
+                try:
+                    value = then(res, t0, t1)
+                except BaseException as e:  # noqa: BLE001 - delivered at wait()
+                    req._finish(None, e)
+                else:
+                    req._finish(value)
+                continue
+            b, i = divmod(data - QUEUE_DEPTH, BLOCK)
+            owner = self._gowner[b]
+            if owner is None:
+                continue
+            group, lo, _k = owner
+            members += 1
+            group.results[lo + i] = res
+            group.left -= 1
+            if group.left == 0:
+                finished_groups.append(group)
+            self._gleft[b] -= 1
+            if self._gleft[b] == 0:
+                self._gowner[b] = None
+                freed.append(b)
+        if members:
+            with self._lock:
+                self._busy -= members
+                self._gfree.extend(freed)
+        for group in finished_groups:
+            try:
+                value = group.then(group.results, group.t0, t1)
+            except BaseException as e:  # noqa: BLE001 - delivered at wait()
+                group.req._finish(None, e)
+            else:
+                group.req._finish(value)
 
     def _reap(self) -> None:
         events, nr_getevents = self._events, self._nr[2]
@@ -115,7 +263,7 @@ class Engine:
         # for a quarter of them (at most REAP_WAIT_NS) and complete them in one go.
         timeout = _Timespec(0, REAP_WAIT_NS)
         while True:
-            busy = QUEUE_DEPTH - len(self._free)
+            busy = self._busy
             if busy >= 8:
                 n = self._syscall(nr_getevents, self._ctx, busy // 4, BATCH, events,
                                   ctypes.byref(timeout))
@@ -125,24 +273,14 @@ class Engine:
                 if ctypes.get_errno() == errno.EINTR:
                     continue
                 return                      # context destroyed
-            t1 = time.perf_counter()
-            for k in range(n):
-                ev = events[k]
-                entry = self._release(ev.data)
-                if entry is None:
-                    continue
-                req, _keep, then, t0 = entry
-                try:
-                    value = then(ev.res, t0, t1)
-                except BaseException as e:  # noqa: BLE001 - delivered at wait()
-                    req._finish(None, e)
-                else:
-                    req._finish(value)
+            rec = self._event_rec[:n]
+            self._complete(zip(rec["data"].tolist(), rec["res"].tolist()),
+                           time.perf_counter())
 
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return QUEUE_DEPTH - len(self._free)
+            return self._busy
 
 
 _engine: list[Engine | None] = []

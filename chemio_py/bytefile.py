@@ -55,6 +55,66 @@ def nbytes_of(buf: Any) -> int:
                             f"{type(buf).__name__}") from None
 
 
+class _Rows:
+    """The rows of an array as byte buffers, made only when iterated (the rare slow path)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __iter__(self):
+        return iter(self.array.reshape(len(self.array), -1).view(np.uint8))
+
+
+def _many_args(offsets: Any, buffers: Any, writable: bool) -> tuple:
+    """Checked ``(offsets, (addresses, sizes, views))`` of an ``a*_many`` call."""
+    what = "aread_many" if writable else "awrite_many"
+    try:
+        offs = np.asarray(offsets)
+    except (TypeError, ValueError):
+        offs = np.asarray([], dtype=object)
+    if offs.ndim != 1 or (offs.size and offs.dtype.kind not in "iu"):
+        raise ArgumentError(f"{what}() needs a 1-D sequence of integer offsets, got "
+                            f"{type(offsets).__name__} of dtype {offs.dtype} and shape "
+                            f"{offs.shape}")
+    offs = offs.astype(np.int64, copy=False)
+    if offs.size and offs.min() < 0:
+        raise ArgumentError(f"{what}() offsets must be >= 0, got {int(offs.min())}")
+    if isinstance(buffers, np.ndarray) and buffers.ndim >= 2 and buffers.flags.c_contiguous:
+        if writable and not buffers.flags.writeable:
+            raise ArgumentError(f"{what}() needs writable buffers, got a read-only array")
+        k = len(buffers)
+        rowbytes = buffers.nbytes // k if k else 0
+        base = buffers.__array_interface__["data"][0]
+        addresses = np.arange(base, base + rowbytes * k, rowbytes, dtype=np.uint64) \
+            if rowbytes else np.zeros(k, dtype=np.uint64)
+        sizes = np.full(k, rowbytes, dtype=np.int64)
+        views = _Rows(buffers)
+    else:
+        try:
+            views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
+        except TypeError:
+            raise ArgumentError(f"{what}() needs a sequence of buffers (bytes-like objects "
+                                f"or arrays), got {type(buffers).__name__}") from None
+        for i, v in enumerate(views):
+            if not v.c_contiguous:
+                views[i] = v = memoryview(np.ascontiguousarray(v))
+            if writable and v.readonly:
+                raise ArgumentError(f"{what}() needs writable buffers; buffer {i} is a "
+                                    f"read-only {type(buffers[i]).__name__}")
+        addresses = np.array([np.frombuffer(v, np.uint8).__array_interface__["data"][0]
+                              if v.nbytes else 0 for v in views], dtype=np.uint64)
+        sizes = np.array([v.nbytes for v in views], dtype=np.int64)
+    if len(views) != offs.size:
+        raise ArgumentError(f"{what}() got {offs.size} offsets for {len(views)} buffers; "
+                            f"give one offset per buffer")
+    return offs, (addresses, sizes, views)
+
+
 class ByteFile:
     """A byte-addressable file over a ByteStore (see ExclusiveFile for the API)."""
 
@@ -230,6 +290,73 @@ class ByteFile:
                 return requests.completed(out)
         return self._pending.add(
             requests.submit(self._do_read, store, offset, out, n, stats=self._stats))
+
+    # ------------------------------------------------------------ many at once
+    def aread_many(self, offsets: Any, buffers: Any) -> requests.Request:
+        """Start filling ``buffers[i]`` from ``offsets[i]`` for every ``i``: one request.
+
+        ``buffers`` is a sequence of writable buffers or an array whose rows are the
+        buffers (``out.reshape(k, size)``); ``wait()`` returns ``buffers``. Aligned O_DIRECT
+        transfers are queued to the kernel with one system call per group of them, which
+        is what makes many small requests cheap; the rest run on the I/O pool. If any
+        transfer fails, ``wait()`` raises the first error once all have finished.
+        """
+        store = self._store
+        if store is None:
+            store = self._open_store()
+        offs, table = _many_args(offsets, buffers, writable=True)
+        if not len(offs):
+            return requests.completed(buffers)
+        addresses, sizes, views = table
+        native = getattr(store, "native_read_many", None)
+        if native is not None and not requests.sync_mode():
+            req = native(offs, addresses, sizes, views,
+                         self._read_many_done(buffers, offs, sizes, store), self._stats)
+            if req is not None:
+                return self._pending.add(req)
+        reqs = [self.aread(int(o), v) for o, v in zip(offs.tolist(), views)]
+        return self._pending.add(requests.gather(reqs, buffers, stats=self._stats))
+
+    def awrite_many(self, offsets: Any, buffers: Any) -> requests.Request:
+        """Start writing ``buffers[i]`` at ``offsets[i]`` for every ``i``: one request.
+
+        ``buffers`` as in ``aread_many`` (read-only buffers are fine); leave them alone
+        until the request completes. ``wait()`` returns the number of bytes written.
+        """
+        store = self._store
+        if store is None or self._mode == "r":
+            store = self._writable_store()
+        offs, table = _many_args(offsets, buffers, writable=False)
+        if not len(offs):
+            return requests.completed(0)
+        addresses, sizes, views = table
+        if self._limited:
+            for o, n in zip(offs.tolist(), sizes.tolist()):
+                self._before_write(o, n)
+        native = getattr(store, "native_write_many", None)
+        if native is not None and not requests.sync_mode():
+            req = native(offs, addresses, sizes, views,
+                         self._write_many_done(offs), self._stats)
+            if req is not None:
+                return self._pending.add(req)
+        reqs = [self.awrite(int(o), v) for o, v in zip(offs.tolist(), views)]
+        return self._pending.add(requests.gather(reqs, int(sizes.sum()), stats=self._stats))
+
+    def _read_many_done(self, buffers: Any, offs: np.ndarray, sizes: np.ndarray, store: Any):
+        def done(counts: list, t0: float, t1: float) -> Any:
+            self._stats.record("read", sum(counts), t0, t1, int(offs[0]), count=len(counts))
+            for i, got in enumerate(counts):
+                if got < sizes[i]:
+                    raise EndOfFileError(self.path, int(offs[i]), int(sizes[i]), store.size())
+            return buffers
+        return done
+
+    def _write_many_done(self, offs: np.ndarray):
+        def done(counts: list, t0: float, t1: float) -> int:
+            total = sum(counts)
+            self._stats.record("write", total, t0, t1, int(offs[0]), count=len(counts))
+            return total
+        return done
 
     def _read_done(self, out: Any, n: int, offset: int, store: Any):
         def done(got: int, t0: float, t1: float) -> Any:

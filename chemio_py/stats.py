@@ -42,17 +42,17 @@ class FileStats:
         self._lock = threading.Lock()
 
     def record(self, op: str, nbytes: int, t0: float, t1: float, offset: int | None = None,
-               blocking: bool = False) -> None:
-        """Count one I/O call of ``nbytes`` that ran from ``t0`` to ``t1`` (perf_counter).
+               blocking: bool = False, count: int = 1) -> None:
+        """Count ``count`` I/O calls of ``nbytes`` in all that ran from ``t0`` to ``t1``.
 
         ``blocking``: the caller waited for all of it (its I/O time is also wait time).
         """
         with self._lock:
             if op == "read":
-                self.reads += 1
+                self.reads += count
                 self.bytes_read += nbytes
             else:
-                self.writes += 1
+                self.writes += count
                 self.bytes_written += nbytes
             self.io_seconds += t1 - t0
             if blocking:
@@ -91,10 +91,12 @@ def snapshot() -> dict:
 
 
 def reset() -> None:
-    """Forget all counters."""
+    """Forget all counters and the trace events collected so far."""
     with _lock:
         _files.clear()
         _pipelines.clear()
+    with _trace.lock:
+        _trace.events.clear()
 
 
 def _mib(n: int) -> str:
