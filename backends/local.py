@@ -500,6 +500,9 @@ class LocalArrayStore(_PosixFile):
     """
 
     byte_addressable = True
+    # Buffered writes to one file take its inode lock in turn: more writers than this only
+    # contend (measured on ext4: 16 writers of a 128 MB section lose 10-15 % against 2).
+    write_streams = 2
 
     def __init__(self, path: str, fd: int, writable: bool, layout: Any, dtype: Any = None):
         self.path = path
@@ -573,19 +576,20 @@ class LocalArrayStore(_PosixFile):
 
         Tasks of one section read different parts of the file at once through one
         descriptor, which the kernel's readahead takes for random access; announcing the
-        ranges keeps the device busy with large requests.
+        ranges keeps the device busy with large requests. A task that reads one range is
+        left to the kernel's sequential readahead, which a synchronous advice only slows
+        (measured: a 4 MB WILLNEED before each 4 MB read costs a third of the bandwidth).
         """
-        start = end = -1
+        ranges: list[list[int]] = []
         for off, _, lens in runs:
             stop = off + sum(lens)
-            if start >= 0 and off - end <= _PREFETCH_GAP_PAGES * mmap.PAGESIZE:
-                end = max(end, stop)
-                continue
-            if start >= 0:
+            if ranges and off - ranges[-1][1] <= _PREFETCH_GAP_PAGES * mmap.PAGESIZE:
+                ranges[-1][1] = max(ranges[-1][1], stop)
+            else:
+                ranges.append([off, stop])
+        if len(ranges) > 1:
+            for start, end in ranges:
                 self._willneed(start, end)
-            start, end = off, stop
-        if start >= 0:
-            self._willneed(start, end)
 
     def _willneed(self, start: int, end: int) -> None:
         try:

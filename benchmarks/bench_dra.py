@@ -3,8 +3,9 @@
 An 8000 x 8000 float64 disk array (512 MB; quick mode 2000 x 2000, 32 MB) with the default
 layout (chunks 500 x 1000 = 4 MB). A 4000 x 4000 section (quick: 1000 x 1000) is written and
 read back, once aligned (it starts at (0, 0), on chunk boundaries) and once not aligned
-(it starts at (250, 750)). Each write is made durable (data sync) inside its timing; each
-cold read follows an eviction of the files from the page cache (fsync + fadvise DONTNEED);
+(it starts at (250, 750)). Each write starts with the file out of the page cache (the
+state of an out-of-core array that was written long ago) and is made durable (data sync)
+inside its timing; each cold read follows an eviction of the files from the page cache (fsync + fadvise DONTNEED);
 the hot read repeats it with the pages cached. Reads land in one preallocated array.
 
 Methods, on the same data in the same run, interleaved in rotating order:
@@ -270,6 +271,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
             order = methods[rep % len(methods):] + methods[:rep % len(methods)]
             for case, sec in cases.items():
                 for m in order:
+                    evict(*m.files())              # every write starts from the same state
                     times.setdefault((m.name, "write", case), []).append(
                         _timed(lambda: m.write(sec, x)))
                 for m in order:

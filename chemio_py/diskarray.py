@@ -16,6 +16,7 @@ Everything else is independent. See DESIGN §3 for the contract.
 """
 from __future__ import annotations
 
+import collections
 import math
 import operator
 import os
@@ -519,10 +520,28 @@ class DiskArray:
             store.read(region, arr)
         self._stats.record("write" if write else "read", arr.nbytes, t0, time.perf_counter())
 
+    def _drain(self, store: Any, write: bool, queue: collections.deque) -> None:
+        """Move tasks from the front of ``queue`` until it is empty (one stream)."""
+        while True:
+            try:
+                sub, a = queue.popleft()
+            except IndexError:
+                return
+            self._task(store, write, sub, a)
+
+    def _streams(self, store: Any, write: bool, ntasks: int) -> int:
+        """How many tasks of one section move at once: the I/O threads, for writes at most
+        the store's ``write_streams`` (beyond it concurrent writers only contend)."""
+        n = max(1, int(config.get("io_threads")))
+        if write:
+            n = min(n, getattr(store, "write_streams", None) or n)
+        return max(1, min(ntasks, n))
+
     def _start(self, store: Any, write: bool, region: tuple, arr: np.ndarray,
                value: Any, finish: Any = None) -> requests.Request:
-        reqs = [requests.submit(self._task, store, write, sub, a)
-                for sub, a in self._tasks(store, region, arr)]
+        tasks = collections.deque(self._tasks(store, region, arr))
+        reqs = [requests.submit(self._drain, store, write, tasks)
+                for _ in range(self._streams(store, write, len(tasks)))]
         return self._pending.add(requests.gather(reqs, value, finish, self._stats))
 
     def _run(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
@@ -532,13 +551,15 @@ class DiskArray:
             if cached is not None and arr.size and cached(region, arr):
                 self._stats.record("read", arr.nbytes, t0, time.perf_counter())
                 return                                   # all in the page cache: one copy
-            tasks = self._tasks(store, region, arr)
+            tasks = collections.deque(self._tasks(store, region, arr))
             if not tasks:
                 return
-            reqs = [requests.submit(self._task, store, write, sub, a) for sub, a in tasks[1:]]
+            reqs = [requests.submit(self._drain, store, write, tasks)
+                    for _ in range(self._streams(store, write, len(tasks)) - 1)]
             try:
-                self._task(store, write, *tasks[0])      # the caller moves a share too
+                self._drain(store, write, tasks)         # the caller is one of the streams
             except BaseException:
+                tasks.clear()                            # the others stop after their task
                 for r in reqs:                           # no I/O left in flight on our buffers
                     r.exception()
                 raise
