@@ -145,13 +145,14 @@ class Engine:
             raise OSError(err, os.strerror(err))
         return req
 
-    def submit_many(self, write: bool, fd: int, addresses: np.ndarray, sizes: np.ndarray,
+    def submit_many(self, write: bool, fd: int, addresses: np.ndarray, sizes: Any,
                     offsets: np.ndarray, keep: Any,
                     then: Callable[[list, float, float], Any],
                     stats: Any = None) -> requests.Request | None:
         """Queue many O_DIRECT transfers with one system call per ``BLOCK`` of them.
 
-        One request stands for all of them; ``then(results, t0, t1)`` gives its value, with
+        ``sizes`` is an array or one int for all. One request stands for all of them;
+        ``then(results, t0, t1)`` gives its value, with
         ``results[i]`` the byte count of transfer ``i`` or a negative errno. Returns None
         (nothing queued) when there are not enough free blocks or the kernel refuses the
         first block: the caller then moves the data another way.
@@ -174,7 +175,7 @@ class Engine:
             w = self._gwords[b, :k]
             w[:, 2] = op_fd
             w[:, 3] = addresses[lo:hi]
-            w[:, 4] = sizes[lo:hi]
+            w[:, 4] = sizes if type(sizes) is int else sizes[lo:hi]
             w[:, 5] = offsets[lo:hi]
             got = self._syscall(self._nr[3], self._ctx, ctypes.c_long(k), self._gptr_addr[b])
             if got == k:

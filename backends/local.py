@@ -273,54 +273,52 @@ class LocalByteStore(_PosixFile):
             return then(n, t0, time.perf_counter())
         return eng.submit(True, self._dfd, addr, n, offset, mv, done, stats)
 
-    def _aio_many_ok(self, addresses: np.ndarray, sizes: np.ndarray,
-                     offsets: np.ndarray) -> bool:
-        return (self._dfd is not None and bool(sizes.size) and bool(sizes.all())
-                and not ((addresses | sizes.astype(np.uint64) | offsets.astype(np.uint64))
-                         % DIRECT_ALIGN).any())
-
-    def native_read_many(self, offsets: np.ndarray, addresses: np.ndarray,
-                         sizes: np.ndarray, keep: Any, then: Any, stats: Any = None) -> Any:
+    def native_read_many(self, many: Any, then: Any, stats: Any = None) -> Any:
         """Start many aligned O_DIRECT reads as one request; None when not eligible.
 
-        ``addresses`` (uint64) point into buffers that ``keep`` holds alive. The request's
-        value is ``then(counts, t0, t1)`` (a count may be short at end of file).
+        ``many`` carries ``offsets``, ``addresses`` (into buffers its ``views`` keep alive),
+        ``sizes`` and ``bits`` (their OR). The request's value is ``then(counts, t0, t1)``
+        (a count may be short at end of file).
         """
-        eng = linux_aio.engine() if self._aio_many_ok(addresses, sizes, offsets) else None
+        eng = linux_aio.engine() if self._dfd is not None and not many.bits % DIRECT_ALIGN \
+            else None
         if eng is None:
             return None
 
         def done(results: list, t0: float, t1: float) -> Any:
-            self._raise_first_error(results, offsets, sizes, "read")
+            self._raise_first_error(results, many, "read")
             return then(results, t0, t1)
-        return eng.submit_many(False, self._dfd, addresses, sizes, offsets, keep, done, stats)
+        return eng.submit_many(False, self._dfd, many.addresses, many.sizes, many.offsets,
+                               many.views, done, stats)
 
-    def native_write_many(self, offsets: np.ndarray, addresses: np.ndarray,
-                          sizes: np.ndarray, keep: Any, then: Any, stats: Any = None) -> Any:
+    def native_write_many(self, many: Any, then: Any, stats: Any = None) -> Any:
         """Start many aligned O_DIRECT writes as one request; None when not eligible."""
-        eng = linux_aio.engine() if self._aio_many_ok(addresses, sizes, offsets) else None
+        eng = linux_aio.engine() if self._dfd is not None and not many.bits % DIRECT_ALIGN \
+            else None
         if eng is None:
             return None
 
         def done(results: list, t0: float, t1: float) -> Any:
-            self._raise_first_error(results, offsets, sizes, "write")
+            self._raise_first_error(results, many, "write")
             for i, got in enumerate(results):
-                if got < sizes[i]:          # rare: finish the rest through the page cache
-                    n = int(sizes[i])
-                    view = (ctypes.c_char * (n - got)).from_address(int(addresses[i]) + got)
-                    self.pwrite(int(offsets[i]) + got, memoryview(view).cast("B"))
-            return then([int(n) for n in sizes], t0, time.perf_counter())
-        return eng.submit_many(True, self._dfd, addresses, sizes, offsets, keep, done, stats)
+                n = many.size(i)
+                if got < n:                 # rare: finish the rest through the page cache
+                    at = int(many.addresses[i]) + got
+                    view = (ctypes.c_char * (n - got)).from_address(at)
+                    self.pwrite(int(many.offsets[i]) + got, memoryview(view).cast("B"))
+                    results[i] = n
+            return then(results, t0, time.perf_counter())
+        return eng.submit_many(True, self._dfd, many.addresses, many.sizes, many.offsets,
+                               many.views, done, stats)
 
-    def _raise_first_error(self, results: list, offsets: np.ndarray, sizes: np.ndarray,
-                           op: str) -> None:
+    def _raise_first_error(self, results: list, many: Any, op: str) -> None:
         if min(results) >= 0:
             return
         i = next(k for k, r in enumerate(results) if r < 0)
-        err, n = -results[i], int(sizes[i])
+        err, n = -results[i], many.size(i)
         if op == "write" and err in _SPACE_ERRNOS:
             raise OutOfSpaceError(self.path, n, self._free(), what="write")
-        raise StorageError(err, self.path, int(offsets[i]), n, op)
+        raise StorageError(err, self.path, int(many.offsets[i]), n, op)
 
     def truncate(self, n: int) -> None:
         try:

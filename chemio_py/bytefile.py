@@ -70,8 +70,21 @@ class _Rows:
         return iter(self.array.reshape(len(self.array), -1).view(np.uint8))
 
 
-def _many_args(offsets: Any, buffers: Any, writable: bool) -> tuple:
-    """Checked ``(offsets, (addresses, sizes, views))`` of an ``a*_many`` call."""
+class _Many:
+    """The checked arguments of an ``a*_many`` call.
+
+    ``sizes`` is one int when all buffers have the same size (the rows of an array), else
+    an int64 array; ``bits`` is the OR of every offset, address and size, so one test
+    tells whether all are aligned; ``views`` are the buffers as byte buffers.
+    """
+
+    __slots__ = ("offsets", "addresses", "sizes", "bits", "total", "views")
+
+    def size(self, i: int) -> int:
+        return self.sizes if type(self.sizes) is int else int(self.sizes[i])
+
+
+def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
     what = "aread_many" if writable else "awrite_many"
     try:
         offs = np.asarray(offsets)
@@ -82,18 +95,21 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> tuple:
                             f"{type(offsets).__name__} of dtype {offs.dtype} and shape "
                             f"{offs.shape}")
     offs = offs.astype(np.int64, copy=False)
-    if offs.size and offs.min() < 0:
+    bits = int(np.bitwise_or.reduce(offs)) if offs.size else 0
+    if bits < 0:                        # the OR is negative exactly when an offset is
         raise ArgumentError(f"{what}() offsets must be >= 0, got {int(offs.min())}")
+    m = _Many()
     if isinstance(buffers, np.ndarray) and buffers.ndim >= 2 and buffers.flags.c_contiguous:
         if writable and not buffers.flags.writeable:
             raise ArgumentError(f"{what}() needs writable buffers, got a read-only array")
         k = len(buffers)
         rowbytes = buffers.nbytes // k if k else 0
         base = buffers.__array_interface__["data"][0]
-        addresses = np.arange(base, base + rowbytes * k, rowbytes, dtype=np.uint64) \
+        m.addresses = np.arange(base, base + rowbytes * k, rowbytes, dtype=np.uint64) \
             if rowbytes else np.zeros(k, dtype=np.uint64)
-        sizes = np.full(k, rowbytes, dtype=np.int64)
-        views = _Rows(buffers)
+        m.sizes, m.total = rowbytes, rowbytes * k
+        bits |= base | rowbytes
+        views: Any = _Rows(buffers)
     else:
         try:
             views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
@@ -106,13 +122,20 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> tuple:
             if writable and v.readonly:
                 raise ArgumentError(f"{what}() needs writable buffers; buffer {i} is a "
                                     f"read-only {type(buffers[i]).__name__}")
-        addresses = np.array([np.frombuffer(v, np.uint8).__array_interface__["data"][0]
-                              if v.nbytes else 0 for v in views], dtype=np.uint64)
-        sizes = np.array([v.nbytes for v in views], dtype=np.int64)
+        addrs = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] if v.nbytes else 0
+                 for v in views]
+        lens = [v.nbytes for v in views]
+        for a, n in zip(addrs, lens):
+            bits |= a | n
+        m.addresses = np.array(addrs, dtype=np.uint64)
+        m.sizes, m.total = np.array(lens, dtype=np.int64), sum(lens)
+        if 0 in lens:
+            bits |= 1                   # an empty transfer is not for the kernel's queue
     if len(views) != offs.size:
         raise ArgumentError(f"{what}() got {offs.size} offsets for {len(views)} buffers; "
                             f"give one offset per buffer")
-    return offs, (addresses, sizes, views)
+    m.offsets, m.bits, m.views = offs, bits, views
+    return m
 
 
 class ByteFile:
@@ -298,23 +321,22 @@ class ByteFile:
         ``buffers`` is a sequence of writable buffers or an array whose rows are the
         buffers (``out.reshape(k, size)``); ``wait()`` returns ``buffers``. Aligned O_DIRECT
         transfers are queued to the kernel with one system call per group of them, which
-        is what makes many small requests cheap; the rest run on the I/O pool. If any
-        transfer fails, ``wait()`` raises the first error once all have finished.
+        is what makes many small requests cheap; the rest run on the I/O pool. Transfers
+        of one call run in any order. If any fails, ``wait()`` raises the first error once
+        all have finished.
         """
         store = self._store
         if store is None:
             store = self._open_store()
-        offs, table = _many_args(offsets, buffers, writable=True)
-        if not len(offs):
+        m = _many_args(offsets, buffers, writable=True)
+        if not len(m.offsets):
             return requests.completed(buffers)
-        addresses, sizes, views = table
         native = getattr(store, "native_read_many", None)
         if native is not None and not requests.sync_mode():
-            req = native(offs, addresses, sizes, views,
-                         self._read_many_done(buffers, offs, sizes, store), self._stats)
+            req = native(m, self._read_many_done(buffers, m, store), self._stats)
             if req is not None:
                 return self._pending.add(req)
-        reqs = [self.aread(int(o), v) for o, v in zip(offs.tolist(), views)]
+        reqs = [self.aread(o, v) for o, v in zip(m.offsets.tolist(), m.views)]
         return self._pending.add(requests.gather(reqs, buffers, stats=self._stats))
 
     def awrite_many(self, offsets: Any, buffers: Any) -> requests.Request:
@@ -326,35 +348,34 @@ class ByteFile:
         store = self._store
         if store is None or self._mode == "r":
             store = self._writable_store()
-        offs, table = _many_args(offsets, buffers, writable=False)
-        if not len(offs):
+        m = _many_args(offsets, buffers, writable=False)
+        if not len(m.offsets):
             return requests.completed(0)
-        addresses, sizes, views = table
         if self._limited:
-            for o, n in zip(offs.tolist(), sizes.tolist()):
-                self._before_write(o, n)
+            for i, o in enumerate(m.offsets.tolist()):
+                self._before_write(o, m.size(i))
         native = getattr(store, "native_write_many", None)
         if native is not None and not requests.sync_mode():
-            req = native(offs, addresses, sizes, views,
-                         self._write_many_done(offs), self._stats)
+            req = native(m, self._write_many_done(m), self._stats)
             if req is not None:
                 return self._pending.add(req)
-        reqs = [self.awrite(int(o), v) for o, v in zip(offs.tolist(), views)]
-        return self._pending.add(requests.gather(reqs, int(sizes.sum()), stats=self._stats))
+        reqs = [self.awrite(o, v) for o, v in zip(m.offsets.tolist(), m.views)]
+        return self._pending.add(requests.gather(reqs, m.total, stats=self._stats))
 
-    def _read_many_done(self, buffers: Any, offs: np.ndarray, sizes: np.ndarray, store: Any):
+    def _read_many_done(self, buffers: Any, m: _Many, store: Any):
         def done(counts: list, t0: float, t1: float) -> Any:
-            self._stats.record("read", sum(counts), t0, t1, int(offs[0]), count=len(counts))
-            for i, got in enumerate(counts):
-                if got < sizes[i]:
-                    raise EndOfFileError(self.path, int(offs[i]), int(sizes[i]), store.size())
+            got = sum(counts)
+            self._stats.record("read", got, t0, t1, int(m.offsets[0]), count=len(counts))
+            if got < m.total:
+                i = next(i for i, c in enumerate(counts) if c < m.size(i))
+                raise EndOfFileError(self.path, int(m.offsets[i]), m.size(i), store.size())
             return buffers
         return done
 
-    def _write_many_done(self, offs: np.ndarray):
+    def _write_many_done(self, m: _Many):
         def done(counts: list, t0: float, t1: float) -> int:
             total = sum(counts)
-            self._stats.record("write", total, t0, t1, int(offs[0]), count=len(counts))
+            self._stats.record("write", total, t0, t1, int(m.offsets[0]), count=len(counts))
             return total
         return done
 
