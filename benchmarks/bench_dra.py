@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MiB, evict, fio_available, mib_s, row, run_fio  # noqa: E402
 
-FULL = dict(n=8000, s=4000, reps=3)
+FULL = dict(n=8000, s=4000, reps=7)
 QUICK = dict(n=2000, s=1000, reps=3)
 OFFSET = (250, 750)
 RAW_CALL = 4 * MiB
