@@ -273,6 +273,12 @@ class LocalByteStore(_PosixFile):
             return then(n, t0, time.perf_counter())
         return eng.submit(True, self._dfd, addr, n, offset, mv, done, stats)
 
+    def _many_engine(self, many: Any) -> Any:
+        """The AIO engine when every transfer of ``many`` can go to it, else None."""
+        if self._dfd is None or many.bits % DIRECT_ALIGN:
+            return None
+        return linux_aio.engine()
+
     def native_read_many(self, many: Any, then: Any, stats: Any = None) -> Any:
         """Start many aligned O_DIRECT reads as one request; None when not eligible.
 
@@ -280,8 +286,7 @@ class LocalByteStore(_PosixFile):
         ``sizes`` and ``bits`` (their OR). The request's value is ``then(counts, t0, t1)``
         (a count may be short at end of file).
         """
-        eng = linux_aio.engine() if self._dfd is not None and not many.bits % DIRECT_ALIGN \
-            else None
+        eng = self._many_engine(many)
         if eng is None:
             return None
 
@@ -293,8 +298,7 @@ class LocalByteStore(_PosixFile):
 
     def native_write_many(self, many: Any, then: Any, stats: Any = None) -> Any:
         """Start many aligned O_DIRECT writes as one request; None when not eligible."""
-        eng = linux_aio.engine() if self._dfd is not None and not many.bits % DIRECT_ALIGN \
-            else None
+        eng = self._many_engine(many)
         if eng is None:
             return None
 

@@ -34,6 +34,12 @@ GROUP = 8               # requests per aread_many/awrite_many call in the groupe
 NAME = "gamess"
 
 
+def _rates(nread: int, nwrite: int, size: int, dt: float) -> dict:
+    ops = nread + nwrite
+    return {"iops": ops / dt, "mib_s": mib_s(ops * size, dt), "read_iops": nread / dt,
+            "write_iops": nwrite / dt, "seconds": dt}
+
+
 def _ours(cio: Any, workdir: str, size: int, fsize: int, read_pct: int, seconds: float,
           bufs: list, seed: int) -> dict:
     """Random ``size``-byte requests, ``read_pct`` % reads, 32 in flight for ``seconds``."""
@@ -64,9 +70,7 @@ def _ours(cio: Any, workdir: str, size: int, fsize: int, read_pct: int, seconds:
         while ring:
             ring.popleft().wait()
         dt = time.perf_counter() - t0
-    ops = nread + nwrite
-    return {"iops": ops / dt, "mib_s": mib_s(ops * size, dt), "read_iops": nread / dt,
-            "write_iops": nwrite / dt, "seconds": dt}
+    return _rates(nread, nwrite, size, dt)
 
 
 def _ours_grouped(cio: Any, workdir: str, size: int, fsize: int, read_pct: int,
@@ -110,9 +114,7 @@ def _ours_grouped(cio: Any, workdir: str, size: int, fsize: int, read_pct: int,
             for r in ring.popleft():
                 r.wait()
         dt = time.perf_counter() - t0
-    ops = nread + nwrite
-    return {"iops": ops / dt, "mib_s": mib_s(ops * size, dt), "read_iops": nread / dt,
-            "write_iops": nwrite / dt, "seconds": dt}
+    return _rates(nread, nwrite, size, dt)
 
 
 def _fio(path: str, size: int, fsize: int, read_pct: int, seconds: float) -> dict | None:
