@@ -111,17 +111,22 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
         bits |= base | rowbytes
         views: Any = _Rows(buffers)
     else:
+        # a write takes any buffer (a strided one is copied, as in awrite); a read must
+        # land in the caller's own memory
+        view = memoryview if writable else byte_view
         try:
-            views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
-        except TypeError:
+            items = list(buffers)
+            views = [view(b) for b in items]
+        except (TypeError, ArgumentError):
             raise ArgumentError(f"{what}() needs a sequence of buffers (bytes-like objects "
                                 f"or arrays), got {type(buffers).__name__}") from None
-        for i, v in enumerate(views):
-            if not v.c_contiguous:
-                views[i] = v = memoryview(np.ascontiguousarray(v))
-            if writable and v.readonly:
-                raise ArgumentError(f"{what}() needs writable buffers; buffer {i} is a "
-                                    f"read-only {type(buffers[i]).__name__}")
+        if writable:
+            for i, v in enumerate(views):
+                if v.readonly or not v.c_contiguous:
+                    raise ArgumentError(
+                        f"{what}() needs writable C-contiguous buffers; buffer {i} is a "
+                        f"{'read-only' if v.readonly else 'strided'} "
+                        f"{type(items[i]).__name__}; read into a contiguous one and copy")
         addrs = [np.frombuffer(v, np.uint8).__array_interface__["data"][0] if v.nbytes else 0
                  for v in views]
         lens = [v.nbytes for v in views]

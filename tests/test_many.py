@@ -59,6 +59,17 @@ def test_rows_of_an_array_are_the_buffers(store):
         f.delete()
 
 
+def test_strided_write_buffers_are_copied_first(store):
+    src = np.arange(16.0)
+    with cio.ExclusiveFile("strided", "w+", backend=store) as f:
+        assert f.awrite_many([0, 64], [src[::2], src.reshape(4, 4).T]).wait() == 192
+        out = [np.empty(8), np.empty((4, 4))]
+        f.aread_many([0, 64], out).wait()
+        np.testing.assert_array_equal(out[0], src[::2])
+        np.testing.assert_array_equal(out[1], src.reshape(4, 4).T)
+        f.delete()
+
+
 def test_empty_calls_complete_at_once(store):
     with cio.ExclusiveFile("empty", "w+", backend=store) as f:
         r = f.awrite_many([], [])
@@ -106,6 +117,10 @@ def test_bad_read_arguments(store):
         ro.flags.writeable = False
         with pytest.raises(ArgumentError, match="writable"):
             f.aread_many([0, 8], ro)
+        strided = np.zeros(16)
+        with pytest.raises(ArgumentError, match="strided"):   # it would fill a copy
+            f.aread_many([0], [strided[::2]])
+        assert not strided.any() and f.outstanding == 0
         f.close()
         with cio.ExclusiveFile("badr", "r", backend=store) as g:
             with pytest.raises(cio.ModeError):
