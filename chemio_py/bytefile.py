@@ -408,13 +408,15 @@ class ByteFile:
         """Set the size to ``n`` bytes (waits for outstanding requests first)."""
         store = self._writable_store()
         n = check_offset(n, "size")
-        self._pending.drain()
+        err = requests.failure(self.path, self._pending.drain())
+        if err is not None:
+            raise err
         store.truncate(n)
 
     def flush(self) -> None:
         """Wait for outstanding requests and make written data durable."""
         store = self._open_store()
-        err = self._pending.drain()
+        err = requests.failure(self.path, self._pending.drain())
         if self._mode != "r":
             store.flush()
         if err is not None:
@@ -423,16 +425,16 @@ class ByteFile:
     def close(self) -> None:
         """Wait for outstanding requests, then close. Idempotent.
 
-        An error of a request that was still outstanding is raised here.
+        A request that failed and was never waited for makes this raise
+        ``UnobservedIOError`` (once, the original error chained).
         """
         store = self._store
         if store is None:
             return
-        try:
-            err = self._pending.drain()
-        finally:
-            self._store = None
-            store.close()
+        errors = self._pending.drain()          # an interrupt here leaves the file open
+        self._store = None
+        store.close()
+        err = requests.failure(self.path, errors)
         if err is not None:
             raise err
 

@@ -560,9 +560,9 @@ class DiskArray:
                 self._drain(store, write, tasks)         # the caller is one of the streams
             except BaseException:
                 tasks.clear()                            # the others stop after their task
-                for r in reqs:                           # no I/O left in flight on our buffers
-                    r.exception()
                 raise
+            finally:
+                requests.settle(reqs)                    # no I/O left in flight on our buffers
             requests.waitall(reqs)
         finally:
             self._stats.waited(time.perf_counter() - t0)
@@ -668,7 +668,7 @@ class DiskArray:
     def flush(self) -> None:
         """Wait for this rank's outstanding requests and make its writes durable."""
         store = self._open_store()
-        err = self._pending.drain()
+        err = requests.failure(self.path, self._pending.drain())
         if self._mode != "r":
             store.flush()
         if err is not None:
@@ -676,13 +676,13 @@ class DiskArray:
 
     def _release(self) -> BaseException | None:
         """Close this rank's handle (waiting for its requests); not collective."""
-        store, self._store = self._store, None
-        if store is None:
+        if self._store is None:
             return None
-        try:
-            return self._pending.drain()
-        finally:
+        errors = self._pending.drain()          # an interrupt here leaves the array open
+        store, self._store = self._store, None
+        if store is not None:
             store.close()
+        return requests.failure(self.path, errors)
 
     def close(self) -> None:
         """Collective: wait for outstanding requests and close; a scratch array is removed

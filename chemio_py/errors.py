@@ -71,6 +71,24 @@ class OutOfSpaceError(StorageError):
         self.op = what
 
 
+class UnobservedIOError(StorageError):
+    """Asynchronous I/O of a file failed and nobody waited for it; raised (once) by the
+    file's ``flush()`` or ``close()``. ``errors`` holds every such failure, the first is
+    also the ``__cause__``."""
+
+    def __init__(self, path: str, errors: list[BaseException]):
+        self.errors = list(errors)
+        first = self.errors[0]
+        err = getattr(first, "errno", None) or _errno.EIO
+        n = len(self.errors)
+        StorageError.__init__(
+            self, err, path, getattr(first, "offset", None), getattr(first, "size", None),
+            f"{n} asynchronous request{'s' if n > 1 else ''} (first: "
+            f"{type(first).__name__}: {first})",
+            "it was never waited for, so its data may be missing from the file; wait() on "
+            "the requests of awrite()/aread() to see each error where it happens")
+
+
 class EndOfFileError(ChemIOError, EOFError):
     """A read reached past the end of a file."""
 
@@ -145,7 +163,7 @@ class CollectiveError(ChemIOError):
 
 
 __all__ = [
-    "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "EndOfFileError", "SectionError",
+    "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "UnobservedIOError", "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
     "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",
     "SpillWarning",

@@ -81,11 +81,9 @@ def _nbytes(obj: Any) -> int:
 
 
 def _quiet_wait(req: requests.Request) -> None:
-    """Wait for ``req`` to end (done, failed or cancelled), ignoring its outcome."""
-    try:
-        req.exception()
-    except Exception:
-        pass
+    """Wait for ``req`` to end (done, failed or cancelled), ignoring its outcome; an
+    interrupt meanwhile is raised only once it has ended (``requests.settle``)."""
+    requests.settle([req])
 
 
 class _Op:
@@ -233,6 +231,7 @@ class Pipeline:
                 op.own.cancel()
         for op in ring:
             _quiet_wait(op.req)
+            op.req.observed()       # read-ahead dropped by the pipeline: nobody needs it
         if self._t_yield is not None:
             self.stats.computed(self._t_yield, time.perf_counter())
             self._t_yield = None
@@ -379,6 +378,7 @@ class WriteBehind:
         self.stats = stats.new_pipeline(self.name, "write-behind")
         self._ops: collections.deque[_Op] = collections.deque()
         self._error: BaseException | None = None
+        self._failed: list[requests.Request] = []     # failed writes, reported by us
         self._closed = False
         self._count = 0
 
@@ -398,9 +398,11 @@ class WriteBehind:
         if wait:
             done = max(done, w0 + wait)
         self.stats.op_done(op.nbytes, op.t_issue, done, wait, w0, op.slot)
-        exc = op.req.exception() if op.req.done() else None
-        if exc is not None and self._error is None:
-            self._error = exc
+        exc = op.req.error
+        if exc is not None:
+            self._failed.append(op.req)
+            if self._error is None:
+                self._error = exc
 
     def _wait_oldest(self, w0: float | None = None) -> None:
         op = self._ops.popleft()
@@ -420,6 +422,8 @@ class WriteBehind:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            for r in self._failed:              # raised here: their files need not again
+                r.observed()
             raise self._error
 
     def submit(self, fn: Callable[..., Any], *args: Any,

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import config
+from .errors import UnobservedIOError
 
 _PENDING, _RUNNING, _DONE, _CANCELLED = 0, 1, 2, 3
 _state_lock = threading.Lock()      # guards pending -> running / cancelled transitions
@@ -28,7 +29,8 @@ class Request:
     ``done()`` is a non-blocking probe that stays True once complete.
     """
 
-    __slots__ = ("_lock", "_state", "_value", "_exc", "_stats", "_callbacks", "__weakref__")
+    __slots__ = ("_lock", "_state", "_value", "_exc", "_stats", "_callbacks", "_seen",
+                 "__weakref__")
 
     def __init__(self, stats: Any = None):
         self._lock = threading.Lock()
@@ -38,6 +40,7 @@ class Request:
         self._exc: BaseException | None = None
         self._stats = stats
         self._callbacks: list | None = None
+        self._seen = False              # its error reached the caller (wait/exception)
 
     # -------------------------------------------------------------- completion
     def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
@@ -82,13 +85,25 @@ class Request:
     def wait(self, timeout: float | None = None) -> Any:
         self._block(timeout)
         if self._exc is not None:
+            self._seen = True
             raise self._exc
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the operation raised (waiting for it), or None."""
         self._block(timeout)
+        self._seen = True
         return self._exc
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error of a completed request, else None; reading it does not count as
+        seeing it (a file's close still reports it)."""
+        return self._exc if self._state >= _DONE else None
+
+    def observed(self) -> None:
+        """Mark this request's error as delivered to the user (a pipeline that raised it)."""
+        self._seen = True
 
     def cancel(self) -> bool:
         """Cancel the operation if it has not started; True if it will not run."""
@@ -116,6 +131,26 @@ class Request:
     def __repr__(self) -> str:
         state = {0: "pending", 1: "running", 2: "done", 3: "cancelled"}[self._state]
         return f"<Request {state}>"
+
+
+def settle(reqs: Iterable[Request]) -> None:
+    """Wait until every request in ``reqs`` has ended, whatever happens meanwhile.
+
+    An interrupt (KeyboardInterrupt, an exception from a signal handler) during the wait
+    does not cut it short: no caller may get control back while I/O on its buffers is in
+    flight. The interrupt is re-raised once every request has ended. Outcomes are not
+    looked at (errors stay unobserved for their owner).
+    """
+    interrupt = None
+    for r in reqs:
+        while r._state < _DONE:
+            try:
+                r._block(None)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                if interrupt is None:
+                    interrupt = e
+    if interrupt is not None:
+        raise interrupt
 
 
 class CancelledError(Exception):
@@ -249,8 +284,10 @@ def gather(reqs: Sequence[Request], value: Any = None, then: Callable[[], Any] |
 
     def one_done(r: Request) -> None:
         with lock:
-            if r._exc is not None and state["error"] is None:
-                state["error"] = r._exc
+            if r._exc is not None:
+                r._seen = True          # the gathered request carries it
+                if state["error"] is None:
+                    state["error"] = r._exc
             state["left"] -= 1
             if state["left"]:
                 return
@@ -301,34 +338,60 @@ def waitany(reqs: Sequence[Request], timeout: float | None = None) -> tuple[int,
 
 
 class Pending:
-    """The outstanding requests of one file, so that closing it can wait for them."""
+    """The outstanding requests of one file, so that closing it can wait for them.
 
-    __slots__ = ("_reqs", "_lock")
+    A request that failed and whose error nobody looked at (``wait()``/``exception()``)
+    stays here after it completes: the file's ``flush()``/``close()`` reports it once.
+    """
+
+    __slots__ = ("_reqs", "_lock", "_pid")
 
     def __init__(self):
         self._reqs: list[Request] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def add(self, req: Request) -> Request:
         with self._lock:
             self._reqs.append(req)
             if len(self._reqs) > 64:
-                self._reqs = [r for r in self._reqs if r._state < _DONE]
+                self._reqs = [r for r in self._reqs if r._state < _DONE or _unseen_error(r)]
         return req
 
     def __len__(self) -> int:
         with self._lock:
             return sum(1 for r in self._reqs if r._state < _DONE)
 
-    def drain(self) -> BaseException | None:
-        """Wait for all outstanding requests; return the first error (not raised)."""
+    def drain(self) -> list[BaseException]:
+        """Wait for all outstanding requests (see ``settle``); return the errors nobody
+        has seen, each only once (they count as seen from now on)."""
         with self._lock:
             reqs, self._reqs = self._reqs, []
-        first = None
+        if self._pid != os.getpid():
+            return []           # a forked child: the I/O was the parent's, its threads are not here
+        try:
+            settle(reqs)
+        except BaseException:
+            with self._lock:                     # an interrupt: keep them for the next drain
+                self._reqs[:0] = [r for r in reqs if _unseen_error(r)]
+            raise
+        errors = []
         for r in reqs:
-            if r._state >= _DONE:
-                continue            # complete before close: its owner saw (or will see) it
-            e = r.exception()
-            if e is not None and first is None and not isinstance(e, CancelledError):
-                first = e
-        return first
+            if _unseen_error(r):
+                r._seen = True
+                errors.append(r._exc)
+        return errors
+
+
+def _unseen_error(r: Request) -> bool:
+    return (r._state >= _DONE and r._exc is not None and not r._seen
+            and not isinstance(r._exc, CancelledError))
+
+
+def failure(path: str, errors: list[BaseException]) -> BaseException | None:
+    """The error a file's ``flush()``/``close()`` raises for ``errors`` from ``drain()``."""
+    if not errors:
+        return None
+    err = UnobservedIOError(path, errors)
+    err.__cause__ = errors[0]
+    return err

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 
 import pytest
 
@@ -90,6 +91,22 @@ def _clean_scratch_after_test():
                 except FileNotFoundError:
                     pass
         pytest.fail(f"test left files in the scratch root: {left[:10]}")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 1 MiB tmpfs when this machine lets us mount one (root), else None."""
+    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True)
+    if r.returncode != 0:
+        yield None
+        return
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def pytest_sessionfinish(session, exitstatus):

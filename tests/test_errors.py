@@ -2,29 +2,12 @@
 import errno
 import os
 import subprocess
-import uuid
 
 import numpy as np
 import pytest
 
 import chemio_py as cio
 import chemio_py.backends.local as local
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 1 MiB tmpfs when this machine lets us mount one (root), else None."""
-    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True)
-    if r.returncode != 0:
-        yield None
-        return
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture
