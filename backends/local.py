@@ -23,7 +23,6 @@ from chemio_py import config, scratch
 
 from . import linux_aio
 from chemio_py.errors import OutOfSpaceError, StorageError
-from chemio_py.layout import c_strides
 
 DIRECT_ALIGN = 4096
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -93,11 +92,19 @@ def _address(mv: memoryview) -> int:
     return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
-def open_checked(path: str, flags: int, mode: str) -> int:
-    """``os.open`` with errors that say what to do (missing, existing, too many open files)."""
+def open_checked(path: str, flags: int, mode: str, perms: int = 0o600) -> int:
+    """``os.open`` of a data file with errors that say what to do.
+
+    Never follows a final symbolic link and never blocks (a FIFO put where a data file
+    should be): anything but a regular file is refused with a ``StorageError``.
+    """
     try:
-        return os.open(path, flags, 0o600)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, perms)
     except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(errno.ENOENT, f"directory {parent!r} does not exist; create "
+                                    f"it first or pass another dir=", path) from None
         raise FileNotFoundError(errno.ENOENT, f"no such file (mode {mode!r} opens an existing "
                                 f"file; use 'w+' to create it)", path) from None
     except FileExistsError:
@@ -107,8 +114,20 @@ def open_checked(path: str, flags: int, mode: str) -> int:
         hint = {errno.EMFILE: "this process has too many open files: close files or raise "
                               "the limit (ulimit -n)",
                 errno.ELOOP: "the path is a symbolic link, which scratch files never follow",
+                errno.ENXIO: "the path is a FIFO, not a data file",
                 errno.EACCES: "no permission: choose a scratch directory you can write"}
         raise StorageError(e.errno, path, None, None, "open", hint.get(e.errno, "")) from e
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise StorageError(errno.EINVAL, path, None, None, "open",
+                               "it is not a regular file (a FIFO, device or directory?); "
+                               "chemio data files are regular files")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class _PosixFile:
@@ -377,13 +396,6 @@ class LocalBackend:
             raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
         flags = _MODES[mode] | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = open_checked(path, flags, mode)
-        try:
-            st = os.fstat(fd)
-            if not _stat.S_ISREG(st.st_mode):
-                raise OSError(errno.EINVAL, f"{path!r} is not a regular file", path)
-        except BaseException:
-            os.close(fd)
-            raise
         dfd = None
         if direct if direct is not None else config.get("direct"):
             try:
@@ -430,11 +442,14 @@ class LocalBackend:
             scratch.check_space(path, layout.nbytes - have,
                                 what=f"array of {layout.nbytes} bytes")
         flags = _MODES[mode] | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, perms)
+        if mode == "w+":
+            # A new array is a new file: readers of the old one (mapped, in other
+            # processes) keep their intact inode instead of seeing it shrink under them.
+            _unlink_regular(path)
+            flags = _MODES["x+"] | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = open_checked(path, flags, mode, perms)
         try:
             st = os.fstat(fd)
-            if not _stat.S_ISREG(st.st_mode):
-                raise OSError(errno.EINVAL, f"{path!r} is not a regular file", path)
             if create:
                 try:
                     os.ftruncate(fd, layout.nbytes)
@@ -459,6 +474,19 @@ class LocalBackend:
                     pass
             raise
         return LocalArrayStore(path, fd, mode != "r", layout, np.dtype(dtype))
+
+
+def _unlink_regular(path: str) -> None:
+    """Remove an old file at ``path`` before it is created anew (not a directory, FIFO...)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not (_stat.S_ISREG(st.st_mode) or _stat.S_ISLNK(st.st_mode)):
+        raise StorageError(errno.EEXIST, path, None, None, "create the array",
+                           "something that is not a regular file is in the way; remove it "
+                           "or choose another name")
+    os.unlink(path)
 
 
 _sieve: list[memoryview] = []
@@ -692,43 +720,36 @@ class LocalArrayStore(_PosixFile):
 
     def _copy_resident(self, region: Any, arr: np.ndarray, write: bool) -> bool:
         """Copy between ``region`` and ``arr`` through the mapping, if every page the
-        region touches is in the page cache (so no access can fault on the device)."""
-        if arr.dtype != self.dtype or not _mincore_ok():
+        region touches is in the page cache (so no access can wait for the device).
+
+        The kernel does the copy (``process_vm_readv``/``writev`` on this process): a page
+        that vanished because the file shrank behind our back makes it stop short instead
+        of raising SIGBUS, and the caller falls back to ``preadv``/``pwritev``.
+        """
+        if arr.dtype != self.dtype or not _mincore_ok() or _process_vm() is None:
             return False
         m = self._mapping()
         if m is None or (write and not self.writable):
             return False
-        _, view, addr = m
-        lay, isz, page = self.layout, self.dtype.itemsize, mmap.PAGESIZE
-        spans = []
-        for p in lay.pieces(region):
-            st = c_strides(p.extent, isz)
-            local = [a - i * c for a, i, c in zip(p.start, p.index, lay.chunks)]
-            first = p.offset + sum(l * s for l, s in zip(local, st))
-            last = p.offset + sum((l + k - 1) * s for l, k, s in zip(local, p.shape, st)) + isz
-            spans.append((p, first, last))
-        lo = spans[0][1] // page
-        hi = -(-max(b for _, _, b in spans) // page)
+        if _byte_span(arr, writable=not write) is None:
+            return False
+        _, _, addr = m
+        d, mo, n = self.layout.segments(region, arr.strides)
+        if not n.size:
+            return True
+        page = mmap.PAGESIZE
+        lo = int(d.min()) // page
+        hi = -(-int((d + n).max()) // page)
         vec = _mincore(addr + lo * page, (hi - lo) * page)
         if vec is None:
             return False
-        for _, a, b in spans:
-            if not vec[a // page - lo: -(-b // page) - lo].all():
+        first, last = d // page - lo, (d + n - 1) // page - lo
+        if not vec.all():
+            resident = np.concatenate(([0], np.cumsum(vec, dtype=np.int64)))
+            if (resident[last + 1] - resident[first] != last - first + 1).any():
                 return False
-        r0 = [s.start for s in region]
         try:
-            for p, _, _ in spans:
-                n = 1
-                for e in p.extent:
-                    n *= e
-                chunk = view[p.offset:p.offset + n * isz].view(self.dtype).reshape(p.extent)
-                inner = tuple(slice(a - i * c, a - i * c + k) for a, i, c, k
-                              in zip(p.start, p.index, lay.chunks, p.shape))
-                mine = tuple(slice(a - r, a - r + k) for a, r, k in zip(p.start, r0, p.shape))
-                if write:
-                    chunk[inner] = arr[mine]
-                else:
-                    arr[mine] = chunk[inner]
+            return _copy_runs(write, addr + d, arr.ctypes.data + mo, n)
         finally:
             # Unmap what we touched (the page cache keeps it, dirty pages stay dirty):
             # mapped pages would otherwise stay pinned in this process and escape
@@ -737,7 +758,6 @@ class LocalArrayStore(_PosixFile):
                 m[0].madvise(mmap.MADV_DONTNEED, lo * page, (hi - lo) * page)
             except (OSError, ValueError, AttributeError):
                 pass
-        return True
 
     def read_all(self, region: Any, out: np.ndarray, comm: Any = None) -> np.ndarray:
         return self.read(region, out)
@@ -766,6 +786,51 @@ class LocalArrayStore(_PosixFile):
 
 
 _mincore_fn: list[Any] = []
+_pvm_fns: list[Any] = []
+_IOV_MAX = 1024
+
+
+def _process_vm() -> tuple | None:
+    """(process_vm_readv, process_vm_writev) from libc, or None where they are missing or
+    forbidden (a seccomp filter)."""
+    if not _pvm_fns:
+        fns = None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fns = (libc.process_vm_readv, libc.process_vm_writev)
+            for fn in fns:
+                fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                               ctypes.c_ulong, ctypes.c_ulong]
+                fn.restype = ctypes.c_ssize_t
+            probe = ctypes.create_string_buffer(8)
+            iov = (ctypes.c_uint64 * 2)(ctypes.addressof(probe), 8)
+            if fns[0](os.getpid(), iov, 1, iov, 1, 0) != 8:
+                fns = None
+        except (OSError, AttributeError):
+            fns = None
+        _pvm_fns.append(fns)
+    return _pvm_fns[0]
+
+
+def _copy_runs(write: bool, file_addrs: np.ndarray, mem_addrs: np.ndarray,
+               lens: np.ndarray) -> bool:
+    """Copy runs between mapped file pages and memory by the kernel; True when every byte
+    moved (False: a page could not be had, e.g. the file was truncated)."""
+    fn = _process_vm()[1 if write else 0]
+    k = lens.size
+    mem = np.empty((k, 2), dtype=np.uint64)
+    mem[:, 0] = mem_addrs
+    mem[:, 1] = lens
+    fil = np.empty((k, 2), dtype=np.uint64)
+    fil[:, 0] = file_addrs
+    fil[:, 1] = lens
+    pid = os.getpid()
+    for i in range(0, k, _IOV_MAX):
+        j = min(k, i + _IOV_MAX)
+        want = int(lens[i:j].sum())
+        if fn(pid, mem[i:j].ctypes.data, j - i, fil[i:j].ctypes.data, j - i, 0) != want:
+            return False
+    return True
 
 
 def _mincore_ok() -> bool:

@@ -45,7 +45,7 @@ import numpy as np
 from chemio_py import config, scratch
 from chemio_py.errors import ChemIOError, OutOfSpaceError, StorageError, _fmt_bytes
 
-from .local import _bytes_view, _fallocate_keep_size
+from .local import _byte_span, _bytes_view, _fallocate_keep_size
 
 PAGE = mmap.PAGESIZE
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)
@@ -869,6 +869,9 @@ class ShmArrayStore:
         if arr.size == 0:
             return
         lay, isz, seg = self.layout, self.dtype.itemsize, self._seg
+        if seg._holes and not write:
+            self._read_sparse(region, arr)
+            return
         seg._gate.enter()
         try:
             w = seg._window()
@@ -894,6 +897,22 @@ class ShmArrayStore:
                     arr[mine] = chunk[inner]
         finally:
             seg._gate.leave()
+
+    def _read_sparse(self, region: Any, arr: np.ndarray) -> None:
+        """Read a read-only store of a sparse segment with ``preadv``: a read fault on a
+        hole would allocate a page and, with the tmpfs full, kill us with SIGBUS."""
+        flat = _byte_span(arr, writable=True)
+        if flat is None:
+            tmp = np.empty(arr.shape, arr.dtype)
+            self._read_sparse(region, tmp)
+            arr[...] = tmp
+            return
+        offs, moffs, lens = self.layout.segments(region, arr.strides)
+        for off, mo, n in zip(offs.tolist(), moffs.tolist(), lens.tolist()):
+            if self._seg._pread_syscall(off, flat[mo:mo + n]) != n:
+                raise StorageError(errno.EIO, self.path, off, n, "read",
+                                   hint="the segment is shorter than the array: it was "
+                                        "truncated behind chemio's back")
 
     def read(self, region: Any, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` (the region's shape, this array's dtype) from RAM; returns it."""
@@ -936,7 +955,7 @@ def open_segment(path: str, mode: str, perms: int = 0o600) -> tuple[int, bool]:
     presence lock; ``w+`` on an existing file empties it once no process is inside."""
     if mode not in _MODES:
         raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
-    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK     # a FIFO there must not hang us
     created = False
     if mode == "w+":
         try:
@@ -950,7 +969,10 @@ def open_segment(path: str, mode: str, perms: int = 0o600) -> tuple[int, bool]:
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{path!r} is not a regular file", path)
+            raise StorageError(errno.EINVAL, path, None, None, "open",
+                               "it is not a regular file (a FIFO, device or directory?); "
+                               "chemio segments are regular files")
+        os.set_blocking(fd, True)
         _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
         if mode == "w+" and not created:
             _flock(fd, fcntl.LOCK_EX)

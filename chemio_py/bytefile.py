@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import requests, scratch, stats
+from . import handles, requests, scratch, stats
 from .errors import ArgumentError, ChemIOError, EndOfFileError, ModeError
 
 MODES = ("r", "r+", "w+", "x+")
@@ -26,7 +26,11 @@ def check_mode(mode: Any) -> str:
     return mode
 
 
+MAX_OFFSET = (1 << 63) - 1          # the largest file offset (and size) the OS knows
+
+
 def check_offset(offset: Any, what: str = "offset") -> int:
+    """``offset`` as an int in ``[0, MAX_OFFSET]``, else ``ArgumentError``."""
     try:
         off = operator.index(offset)
     except TypeError:
@@ -34,7 +38,36 @@ def check_offset(offset: Any, what: str = "offset") -> int:
                             f"{offset!r}") from None
     if off < 0:
         raise ArgumentError(f"{what} must be >= 0, got {off}")
+    if off > MAX_OFFSET:
+        raise ArgumentError(f"{what} {off} is past the largest file offset, 2**63 - 1; "
+                            f"files cannot be that large")
     return off
+
+
+_PLAIN_FORMATS = frozenset([p + c for p in ("", "<", ">", "=", "@", "!")
+                            for c in [*"bBhHiIlLqQnNefdg?cx", "Ze", "Zf", "Zd", "Zg"]])
+
+
+class PointerBufferError(ArgumentError):
+    """A buffer whose items are pointers (NumPy object arrays) was given for file I/O."""
+
+
+def refuse_pointers(mv: memoryview, obj: Any) -> memoryview:
+    """Return ``mv`` unless its items hold pointers (NumPy ``object`` fields, ``P``), which
+    must never be written to or read from a file: raise ``ArgumentError`` then."""
+    fmt = mv.format
+    if fmt in _PLAIN_FORMATS:
+        return mv
+    try:
+        bad = np.asarray(mv).dtype.hasobject or "P" in fmt
+    except (TypeError, ValueError):         # NumPy cannot describe it: object fields?
+        bad = "O" in fmt or "P" in fmt
+    if bad:
+        dt = getattr(obj, "dtype", fmt)
+        raise PointerBufferError(f"a buffer of {type(obj).__name__} with dtype {dt} holds Python "
+                                 f"object pointers, which cannot be stored in or read from a file; "
+                                 f"use a numeric dtype (or pickle the objects and store the bytes)")
+    return mv
 
 
 def byte_view(data: Any) -> memoryview:
@@ -44,15 +77,25 @@ def byte_view(data: Any) -> memoryview:
     except TypeError:
         raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
                             f"{type(data).__name__}") from None
+    if mv.format not in _PLAIN_FORMATS:
+        refuse_pointers(mv, data)
     return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))
 
 
 def nbytes_of(buf: Any) -> int:
     try:
-        return memoryview(buf).nbytes
+        mv = memoryview(buf)
     except TypeError:
         raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
                             f"{type(buf).__name__}") from None
+    if mv.format not in _PLAIN_FORMATS:
+        refuse_pointers(mv, buf)
+    return mv.nbytes
+
+
+def _plain_view(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    return mv if mv.format in _PLAIN_FORMATS else refuse_pointers(mv, buf)
 
 
 class _Rows:
@@ -94,6 +137,9 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
         raise ArgumentError(f"{what}() needs a 1-D sequence of integer offsets, got "
                             f"{type(offsets).__name__} of dtype {offs.dtype} and shape "
                             f"{offs.shape}")
+    if offs.size and offs.dtype == np.uint64 and int(offs.max()) > MAX_OFFSET:
+        raise ArgumentError(f"{what}() offset {int(offs.max())} is past the largest file "
+                            f"offset, 2**63 - 1")
     offs = offs.astype(np.int64, copy=False)
     bits = int(np.bitwise_or.reduce(offs)) if offs.size else 0
     if bits < 0:                        # the OR is negative exactly when an offset is
@@ -102,6 +148,7 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
     if isinstance(buffers, np.ndarray) and buffers.ndim >= 2 and buffers.flags.c_contiguous:
         if writable and not buffers.flags.writeable:
             raise ArgumentError(f"{what}() needs writable buffers, got a read-only array")
+        refuse_pointers(memoryview(buffers), buffers)
         k = len(buffers)
         rowbytes = buffers.nbytes // k if k else 0
         base = buffers.__array_interface__["data"][0]
@@ -113,10 +160,12 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
     else:
         # a write takes any buffer (a strided one is copied, as in awrite); a read must
         # land in the caller's own memory
-        view = memoryview if writable else byte_view
+        view = _plain_view if writable else byte_view
         try:
             items = list(buffers)
             views = [view(b) for b in items]
+        except PointerBufferError:
+            raise
         except (TypeError, ArgumentError):
             raise ArgumentError(f"{what}() needs a sequence of buffers (bytes-like objects "
                                 f"or arrays), got {type(buffers).__name__}") from None
@@ -179,10 +228,25 @@ class ByteFile:
     def stats(self) -> stats.FileStats:
         return self._stats
 
+    _superseded: str | None = None
+
     def _open_store(self) -> Any:
         if self._store is None:
+            if self._superseded is not None:
+                raise handles.SupersededError(
+                    f"{type(self).__name__} {self._path!r} is closed: {self._superseded}")
             raise ChemIOError(f"I/O on a closed {type(self).__name__}; open it again")
         return self._store
+
+    def _supersede(self, reason: str) -> list[BaseException]:
+        """Close locally because the same file was created again (``handles``)."""
+        self._superseded = reason
+        if self._store is None:
+            return []
+        errors = self._pending.drain()
+        store, self._store = self._store, None
+        store.close()
+        return errors
 
     def _writable_store(self) -> Any:
         st = self._open_store()
@@ -223,9 +287,9 @@ class ByteFile:
         store = self._store
         if store is None or self._mode == "r":
             store = self._writable_store()
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
-        mv = data if type(data) is memoryview else byte_view(data)
+        mv = byte_view(data)
         n = mv.nbytes
         if self._limited:
             self._before_write(offset, n)
@@ -244,7 +308,7 @@ class ByteFile:
         store = self._store
         if store is None:
             store = self._open_store()
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
         n = nbytes_of(out)
         t0 = time.perf_counter()
@@ -270,9 +334,9 @@ class ByteFile:
         store = self._store
         if store is None or self._mode == "r":
             store = self._writable_store()
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
-        mv = data if type(data) is memoryview else byte_view(data)
+        mv = byte_view(data)
         n = mv.nbytes
         if self._limited:
             self._before_write(offset, n)
@@ -294,7 +358,7 @@ class ByteFile:
         store = self._store
         if store is None:
             store = self._open_store()
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
         try:
             mv = out if type(out) is memoryview else memoryview(out)
@@ -304,6 +368,8 @@ class ByteFile:
         if mv.readonly:
             raise ArgumentError(f"aread() needs a writable buffer, got a read-only "
                                 f"{type(out).__name__}")
+        if mv.format not in _PLAIN_FORMATS:
+            refuse_pointers(mv, out)
         n = mv.nbytes
         native = getattr(store, "native_read", None)
         if native is not None and not requests.sync_mode():
@@ -434,6 +500,7 @@ class ByteFile:
         errors = self._pending.drain()          # an interrupt here leaves the file open
         self._store = None
         store.close()
+        handles.release(self._path, self)
         err = requests.failure(self.path, errors)
         if err is not None:
             raise err

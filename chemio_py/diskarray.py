@@ -28,7 +28,7 @@ import numpy as np
 
 import chemio_py.backends as _backends
 
-from . import config, layout as _layout, meta as _meta, requests, scratch, stats
+from . import config, handles, layout as _layout, meta as _meta, requests, scratch, stats
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, BackendUnavailableError, ChemIOError, MetadataError,
                      ModeError, NotSharedError, SectionError)
@@ -43,6 +43,12 @@ TASK_MAX = 16 << 20           # ... and at most about this much
 
 def _norm_index(k: Any, n: int, axis: int, key: Any, shape: tuple) -> tuple[slice, bool]:
     """(slice, squeezed) for one entry of a section."""
+    if isinstance(k, (np.ndarray, list, np.bool_)):
+        kind = "boolean" if np.asarray(k).dtype == bool else "integer-array (fancy)"
+        raise SectionError(
+            f"section {key!r}: axis {axis} uses {kind} indexing, which DiskArray does not "
+            f"do; a section is a tuple of step-1 slices and ints: read the enclosing section "
+            f"(e.g. d[a:b]) and apply the index to it in memory")
     if isinstance(k, slice):
         if k.step not in (None, 1):
             raise SectionError(
@@ -79,7 +85,8 @@ def parse_section(key: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], 
     """``key`` as (region of step-1 slices, which axes an int index drops)."""
     items = key if isinstance(key, tuple) else (key,)
     if isinstance(key, list):
-        raise SectionError(f"section {key!r} is a list; use a tuple of slices (np.s_[...])")
+        raise SectionError(f"section {key!r} is a list (fancy indexing); use a tuple of "
+                           f"step-1 slices and ints (np.s_[...])")
     n_ell = sum(1 for k in items if k is Ellipsis)
     if n_ell > 1:
         raise SectionError(f"section {key!r} has more than one '...'")
@@ -139,6 +146,19 @@ def _direct(a: np.ndarray) -> bool:
     return True
 
 
+def _as_values(value: Any, dtype: np.dtype) -> np.ndarray:
+    """Python scalars and sequences as an array, by NumPy's rule for Python values: a
+    number that does not fit ``dtype`` (300 for int8) is an error, not a wrapped value."""
+    arr = np.asarray(value)
+    if arr.dtype.kind in "biufc" and np.can_cast(arr.dtype, dtype, "same_kind"):
+        try:
+            return np.asarray(value, dtype=dtype)
+        except OverflowError as e:
+            raise ArgumentError(f"value {value!r} does not fit dtype {dtype} ({e}); nothing "
+                                f"was written") from None
+    return arr
+
+
 def _expand(a: np.ndarray, squeeze: tuple[bool, ...]) -> np.ndarray:
     """View ``a`` (section shape without int-indexed axes) with those axes put back."""
     axes = tuple(i for i, s in enumerate(squeeze) if s)
@@ -168,6 +188,16 @@ def _persistent_paths(name: str, path: Any) -> tuple[str, str]:
     if not os.path.isdir(parent):
         raise ArgumentError(f"path={path!r}: directory {parent!r} does not exist; create it first")
     return p, p + META_SUFFIX
+
+
+def _exists_message(data: str, mpath: str) -> str:
+    if not os.path.lexists(mpath):
+        return (f"a data file without metadata is at {data!r} (left by an interrupted "
+                f"DiskArray.create?); pass overwrite=True to replace it, remove it "
+                f"(os.remove({data!r})), or choose another path")
+    return (f"an array (or file) already exists at {data!r}; pass overwrite=True to replace "
+            f"it, delete it with DiskArray.open({data!r}, 'r+').delete(), or choose another "
+            f"path")
 
 
 def _paths_for_open(path: Any) -> tuple[str, str | None]:
@@ -263,16 +293,14 @@ class DiskArray:
                     if keep:
                         data, mpath = _persistent_paths(name, path)
                         if not overwrite and (os.path.lexists(data) or os.path.lexists(mpath)):
-                            raise ArgumentError(
-                                f"an array (or file) already exists at {data!r}; pass "
-                                f"overwrite=True to replace it, delete it with "
-                                f"DiskArray.open(path, 'r+').delete(), or choose another path")
+                            raise ArgumentError(_exists_message(data, mpath))
                         if os.path.lexists(mpath):
                             os.unlink(mpath)           # old metadata first: never half valid
                     else:
                         data = os.path.join(scratch.job_dir(be.root("shared")), name + SUFFIX)
                         mpath = data + META_SUFFIX
                     perms = 0o666 if keep else 0o600
+                    handles.supersede(data, what)
                     store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
                                           perms=perms)
                     created = True
@@ -290,6 +318,7 @@ class DiskArray:
                     (data, mpath, uuid, socket.gethostname()) if c.rank == 0 else None)
                 with c.agree(what):
                     if c.rank != 0:
+                        handles.supersede(data, what)
                         store = cls._open_peer(be, data, mpath, uuid, shape_t, dt, ch, c, host0)
             m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch, backend=be_name,
                            data=os.path.basename(data), persistent=keep, uuid=uuid)
@@ -301,8 +330,10 @@ class DiskArray:
                     be.remove(p)
                     scratch.disown(p)
             raise
-        return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
-                   meta_path=mpath, mode="r+", comm=c, owner=not keep)
+        d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
+                meta_path=mpath, mode="r+", comm=c, owner=not keep)
+        handles.claim(data, d)
+        return d
 
     @staticmethod
     def _choose_chunks(shape: tuple, dt: np.dtype, chunks: Any, request_shape: Any) -> tuple:
@@ -367,6 +398,12 @@ class DiskArray:
                     raise ModeError(f"DiskArray.open mode {mode!r} is not 'r' (read) or 'r+' "
                                     f"(read/write); create new arrays with DiskArray.create")
                 mpath, data = _paths_for_open(path)
+                if c.rank == 0 and data is not None and not os.path.lexists(mpath) \
+                        and os.path.lexists(data):
+                    raise MetadataError(
+                        f"{data!r} has no metadata ({mpath!r} is missing): an interrupted "
+                        f"DiskArray.create leaves such a file; recreate the array with "
+                        f"DiskArray.create(..., path={data!r}, overwrite=True) or remove it")
                 m = _meta.load(mpath) if c.rank == 0 else None
             if c.size > 1:
                 m = c.bcast(m)
@@ -431,11 +468,24 @@ class DiskArray:
                 f"chunks={self.chunks} {kind} {state} path={self.path!r} backend={self.backend}>")
 
     # ------------------------------------------------------------ checks
+    _superseded: str | None = None
+
     def _open_store(self) -> Any:
         if self._store is None:
+            if self._superseded is not None:
+                raise handles.SupersededError(f"DiskArray {self.name!r} is closed: "
+                                              f"{self._superseded}")
             raise ChemIOError(f"DiskArray {self.name!r} is closed; open it again with "
                               f"DiskArray.open({self.path!r})")
         return self._store
+
+    def _supersede(self, reason: str) -> list[BaseException]:
+        """Close this rank's handle because the array was created again (``handles``);
+        the files now belong to the new array, so this one never removes them."""
+        self._superseded = reason
+        self._owner = False
+        self._deleted = True
+        return self._close_local()
 
     def _writable_store(self) -> Any:
         st = self._open_store()
@@ -484,7 +534,7 @@ class DiskArray:
         full = _layout.region_shape(region)
         shape = tuple(n for n, s in zip(full, squeeze) if not s)
         want = shape[::-1] if transpose else shape
-        arr = data if isinstance(data, np.ndarray) else np.asarray(data)
+        arr = data if isinstance(data, np.ndarray) else _as_values(data, self.dtype)
         if arr.shape != want and arr.shape != (full[::-1] if transpose else full):
             raise SectionError(
                 f"data has shape {arr.shape} but section {section!r} has shape {want}"
@@ -593,7 +643,7 @@ class DiskArray:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """``d[section] = value``; ``value`` broadcasts to the section as in NumPy."""
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        arr = value if isinstance(value, np.ndarray) else _as_values(value, self.dtype)
         region, squeeze = parse_section(key, self.shape)
         shape = tuple(n for n, s in zip(_layout.region_shape(region), squeeze) if not s)
         if arr.shape != shape:
@@ -676,13 +726,17 @@ class DiskArray:
 
     def _release(self) -> BaseException | None:
         """Close this rank's handle (waiting for its requests); not collective."""
+        return requests.failure(self.path, self._close_local())
+
+    def _close_local(self) -> list[BaseException]:
         if self._store is None:
-            return None
+            return []
         errors = self._pending.drain()          # an interrupt here leaves the array open
         store, self._store = self._store, None
         if store is not None:
             store.close()
-        return requests.failure(self.path, errors)
+        handles.release(self._data_path, self)
+        return errors
 
     def close(self) -> None:
         """Collective: wait for outstanding requests and close; a scratch array is removed

@@ -15,7 +15,7 @@ from typing import Any
 
 import chemio_py.backends as _backends
 
-from . import config, scratch
+from . import config, handles, scratch
 from .bytefile import ByteFile, check_mode, check_offset
 from .comm import comm
 
@@ -50,6 +50,8 @@ class ExclusiveFile(ByteFile):
         if size_hint:
             scratch.check_space(path, size_hint, what=f"size_hint of {name!r}")
         options = {} if direct is None else {"direct": direct}
+        if mode == "w+":
+            handles.supersede(path, f"ExclusiveFile({name!r}, 'w+')")
         store = be.open_bytes(path, mode, **options)
         if mode in ("w+", "x+"):
             scratch.own(path)
@@ -65,6 +67,8 @@ class ExclusiveFile(ByteFile):
         self.name = name
         self._backend_obj = be
         super().__init__(store, be_name, mode)
+        if mode in ("w+", "x+"):
+            handles.claim(path, self)
 
     def delete(self) -> None:
         """Close the file (waiting for its requests) and remove it."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import ownfiles
 from .errors import ArgumentError, MetadataError
 
 FORMAT = 1
@@ -244,14 +245,18 @@ def loads(text: bytes | str, src: str = "<document>") -> Meta:
 def load(path: str) -> Meta:
     """Read and validate the metadata file at ``path``."""
     try:
-        with open(path, "rb") as fh:
-            text = fh.read(MAX_BYTES + 1)
+        text = ownfiles.read_small(path, MAX_BYTES)
     except FileNotFoundError:
         raise MetadataError(f"no DiskArray metadata at {path!r}: the file does not exist; "
                             f"check the path (a DiskArray is opened by its data file or by "
                             f"its .json metadata file)") from None
-    except IsADirectoryError:
-        raise MetadataError(f"{path!r} is a directory, not DiskArray metadata") from None
+    except ownfiles.NotARegularFile as e:
+        raise MetadataError(f"DiskArray metadata {path!r} {e.strerror}; chemio writes its "
+                            f"metadata as a regular file: remove what is there or open "
+                            f"the array by its real path") from None
+    except ValueError:
+        raise MetadataError(f"{path!r} is too large (over {MAX_BYTES} bytes) for DiskArray "
+                            f"metadata; it is not a file chemio wrote") from None
     except OSError as e:
         raise MetadataError(f"cannot read DiskArray metadata {path!r}: {e}") from None
     return loads(text, repr(path))

@@ -24,12 +24,11 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import weakref
 from typing import Any
 
 import chemio_py.backends as _backends
 
-from . import config, scratch
+from . import config, handles, scratch
 from .bytefile import ByteFile, check_offset
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, LimitExceededError, NotSharedError,
@@ -40,8 +39,6 @@ GROW_STEP = 8 << 20          # reservation grows ahead of the writes by at least
 _TOKEN_BYTES = 16
 _TOKEN_SUFFIX = ".token"      # side file proving that every rank sees rank 0's directory
 
-_live_lock = threading.Lock()
-_live: "dict[str, weakref.ref[SharedFile]]" = {}      # path -> the SharedFile rank 0 created
 
 
 def _opt_size(value: Any, what: str, minimum: int = 0) -> int | None:
@@ -125,6 +122,7 @@ class SharedFile(ByteFile):
                     if reserve:
                         scratch.check_space(path, reserve,
                                             what=f"soft_limit of shared file {name!r}")
+                    handles.supersede(path, f"SharedFile({name!r})")
                     be.remove(path)
                     store = be.open_bytes(path, "x+")
                     created = True
@@ -139,6 +137,7 @@ class SharedFile(ByteFile):
                 path, token = c.bcast((path, token) if c.rank == 0 else None)
                 with c.agree(what):
                     if c.rank != 0:
+                        handles.supersede(path, f"SharedFile({name!r})")
                         store = _open_peer(be, path, token, c, host0)
                 with c.agree(what):
                     if c.rank == 0:
@@ -165,13 +164,11 @@ class SharedFile(ByteFile):
         self._destroyed = False
         self._sf_path = path
         super().__init__(store, be_name, "r+")
-        if c.rank == 0:
-            with _live_lock:
-                old = _live.get(path)
-                old = old() if old is not None else None
-                if old is not None and old is not self:
-                    old._replaced = True         # its destroy() must not remove our file
-                _live[path] = weakref.ref(self)
+        handles.claim(path, self)
+
+    def _supersede(self, reason: str) -> list[BaseException]:
+        self._replaced = True           # its destroy() must not remove the new file
+        return super()._supersede(reason)
 
     # ------------------------------------------------------------ limits and layout
     _limited = True
@@ -231,10 +228,6 @@ class SharedFile(ByteFile):
             with c.agree(f"SharedFile({self.name!r}).destroy()"):
                 if c.rank == 0 and not self._replaced:
                     scratch.disown(path)
-                    with _live_lock:
-                        ref = _live.get(path)
-                        if ref is not None and ref() is self:
-                            del _live[path]
                     self._backend_obj.remove(path)
 
     def close(self) -> None:
