@@ -15,17 +15,34 @@ rules in the "files in memory" style::
 
 A per-name rule is more specific than the global ``backend`` setting and wins over it; an
 explicit ``backend=`` argument wins over both.
+
+Settings steer where chemio writes and what it keeps, so a config file is trusted only when
+it is a regular file of at most 1 MiB, owned by this user or root and writable by no one
+else (``mode & 0o022 == 0``); the checks are made on the opened descriptor. Anything else
+is refused with a ``ConfigError`` at the first lookup that needs the file. A symbolic link
+named ``./chemio.toml`` is refused (the working directory may be shared: name the target in
+``CHEMIO_CONFIG`` instead); ``CHEMIO_CONFIG`` and the user config file may be links of this
+user's (or root's), and the file they reach passes the same checks. ``CHEMIO_CONFIG=/dev/null``
+means no config file at all. Every value, from any source, is checked: a number must be
+finite and in range (``io_threads`` 1 to 1024, sizes up to ``2**63-1`` bytes), a flag a
+boolean, a path a string.
 """
 from __future__ import annotations
 
 import fnmatch
+import math
+import operator
 import os
+import re
+import shlex
+import stat as _stat
 import tempfile
 import threading
 import tomllib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import ownfiles
 from .errors import ChemIOError
 
 
@@ -33,49 +50,132 @@ class ConfigError(ChemIOError, ValueError):
     """A setting has a value that cannot be used."""
 
 
+MAX_IO_THREADS = 1024
+MAX_CONFIG_BYTES = 1 << 20          # a config file larger than this is not one of ours
+MAX_BYTES = (1 << 63) - 1           # the largest byte count a setting may name (off_t)
+
+_BOOL_ACCEPTED = "expected true or false (also 1/0, yes/no, on/off)"
+_LIMIT_ACCEPTED = ("expected a byte count (2000000, 512M, 4GiB; at most 2**63-1 bytes) or a "
+                   "share of available memory (50%; more than 0, at most 100)")
+_SIZE_RE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:E[+-]?\d+)?", re.ASCII)
+_INT_RE = re.compile(r"\+?\d{1,30}", re.ASCII)
+
+
+def _show(v: Any) -> str:
+    """``repr(v)`` for a message: bounded, and safe for integers too long to print."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 256:
+        return f"<{'negative ' if v < 0 else ''}integer of {v.bit_length()} bits>"
+    try:
+        r = repr(v)
+    except Exception:                                  # pragma: no cover
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= 80 else r[:60] + f"... ({len(r)} characters)"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _parse_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
-    s = str(v).strip().lower()
+    if type(v).__name__ == "bool_":                    # numpy.bool_
+        return bool(v)
+    if _is_int(v):
+        if v in (0, 1):
+            return bool(v)
+        raise ValueError(_BOOL_ACCEPTED)
+    if not isinstance(v, str):
+        raise ValueError(f"{_BOOL_ACCEPTED}, not a {type(v).__name__}")
+    s = v.strip().lower()
     if s in ("1", "true", "yes", "on"):
         return True
     if s in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+    raise ValueError(_BOOL_ACCEPTED)
 
 
-def _parse_pos_int(v: Any) -> int:
-    if isinstance(v, bool):
-        raise ValueError("expected a positive integer")
-    i = int(v)
-    if i < 1:
-        raise ValueError("expected a positive integer")
+def _parse_io_threads(v: Any) -> int:
+    """A whole number of threads from 1 to ``MAX_IO_THREADS``: no bools, floats, NaN or inf."""
+    accepted = f"expected a positive whole number of threads, at most {MAX_IO_THREADS}"
+    if isinstance(v, str):
+        s = v.strip()
+        if not _INT_RE.fullmatch(s):
+            raise ValueError(accepted)
+        i = int(s)
+    elif isinstance(v, bool) or type(v).__name__ == "bool_" or isinstance(v, float):
+        raise ValueError(f"{accepted}, not a {type(v).__name__}")
+    else:
+        try:
+            i = operator.index(v)                      # int, numpy integers
+        except TypeError:
+            raise ValueError(f"{accepted}, not a {type(v).__name__}") from None
+    if not 1 <= i <= MAX_IO_THREADS:
+        raise ValueError(accepted)
     return i
 
 
-def _parse_opt_str(v: Any) -> str | None:
+def _parse_name(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a backend name (a string such as 'local'), "
+                         f"not a {type(v).__name__}")
+    s = v.strip()
+    if not s or any(ord(c) < 32 or c == "\x7f" for c in s):
+        raise ValueError("expected a backend name such as 'local' or 'shm'")
+    return s
+
+
+def _path_text(v: Any) -> str:
+    if isinstance(v, os.PathLike):
+        v = os.fspath(v)
+    if not isinstance(v, str):
+        raise ValueError(f"expected a path (a string), not a {type(v).__name__}")
+    if "\0" in v:
+        raise ValueError("expected a path; it contains a NUL character")
+    return v.strip()
+
+
+def _parse_path(v: Any) -> str:
+    return _path_text(v)
+
+
+def _parse_opt_path(v: Any) -> str | None:
     if v is None:
         return None
-    s = str(v).strip()
-    return s or None
+    return _path_text(v) or None
 
 
 def _parse_limit(v: Any) -> str:
     """A byte count (``2000000``, ``512M``, ``4G``) or a share of memory (``50%``)."""
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        raise ValueError(f"{_LIMIT_ACCEPTED}, not a boolean")
+    if not isinstance(v, (str, float)):
+        try:
+            i = operator.index(v)                      # int, numpy integers
+        except TypeError:
+            raise ValueError(f"{_LIMIT_ACCEPTED}, not a {type(v).__name__}") from None
+        if not 0 <= i <= MAX_BYTES:
+            raise ValueError(_LIMIT_ACCEPTED)
+        return str(i)
     s = str(v).strip()
     parse_limit(s, 1)  # validate now, resolve against the budget later
     return s
 
 
 def parse_limit(text: str, whole: int) -> int:
-    """Turn ``'50%'``, ``'512M'``, ``'4GiB'`` or ``'1000'`` into bytes (``%`` of ``whole``)."""
+    """Turn ``'50%'``, ``'512M'``, ``'4GiB'`` or ``'1000'`` into bytes (``%`` of ``whole``).
+
+    Raises ``ValueError`` (saying what is accepted) for anything else: signs, NaN, infinities,
+    an exponent that overflows, more than ``2**63-1`` bytes, a percentage outside (0, 100].
+    """
     s = str(text).strip().upper().replace(" ", "")
     if not s:
-        raise ValueError("empty size")
+        raise ValueError(f"empty size; {_LIMIT_ACCEPTED}")
     if s.endswith("%"):
-        pct = float(s[:-1])
-        if not (0 < pct <= 100):
-            raise ValueError("a percentage must be in (0, 100]")
+        num = s[:-1]
+        pct = float(num) if _SIZE_RE.fullmatch(num) else math.nan
+        if not (math.isfinite(pct) and 0 < pct <= 100):
+            raise ValueError(f"a percentage must be a number in (0, 100]; {_LIMIT_ACCEPTED}")
         return int(whole * pct / 100)
     for suffix in ("IB", "B"):
         if s.endswith(suffix) and len(s) > len(suffix) and s[-len(suffix) - 1] in "KMGT":
@@ -84,10 +184,16 @@ def parse_limit(text: str, whole: int) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(s[-1], 1)
     if mult != 1:
         s = s[:-1]
-    value = float(s)
-    if not (value >= 0) or value != value:
-        raise ValueError("a size must be a non-negative number")
-    return int(value * mult)
+    if not _SIZE_RE.fullmatch(s):
+        raise ValueError(f"not a size; {_LIMIT_ACCEPTED}")
+    if mult == 1 and "." not in s and "E" not in s:
+        value = int(s) if len(s) <= 20 else MAX_BYTES + 1      # exact for byte counts
+    else:
+        f = float(s) * mult
+        value = int(f) if math.isfinite(f) and f <= MAX_BYTES else MAX_BYTES + 1
+    if value > MAX_BYTES:
+        raise ValueError(f"a size of more than 2**63-1 bytes; {_LIMIT_ACCEPTED}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -100,22 +206,23 @@ class Spec:
 
 
 SPECS: dict[str, Spec] = {s.name: s for s in [
-    Spec("backend", "CHEMIO_BACKEND", lambda: "local", lambda v: str(v).strip(),
+    Spec("backend", "CHEMIO_BACKEND", lambda: "local", _parse_name,
          "storage backend for files without an explicit one"),
-    Spec("scratch", "CHEMIO_SCRATCH", tempfile.gettempdir, lambda v: str(v).strip(),
+    Spec("scratch", "CHEMIO_SCRATCH", tempfile.gettempdir, _parse_path,
          "scratch dirs for per-rank files: 'dir', 'host:dir' or 'RANK:dir', comma separated"),
-    Spec("shared_scratch", "CHEMIO_SHARED_SCRATCH", lambda: None, _parse_opt_str,
+    Spec("shared_scratch", "CHEMIO_SHARED_SCRATCH", lambda: None, _parse_opt_path,
          "dir for shared files and arrays (default: first CHEMIO_SCRATCH entry)"),
-    Spec("io_threads", "CHEMIO_IO_THREADS", lambda: 16, _parse_pos_int,
-         "threads in the background I/O pool"),
-    Spec("shm_dir", "CHEMIO_SHM_DIR", lambda: "/dev/shm", lambda v: str(v).strip(),
+    Spec("io_threads", "CHEMIO_IO_THREADS", lambda: 16, _parse_io_threads,
+         f"threads in the background I/O pool (1 to {MAX_IO_THREADS})"),
+    Spec("shm_dir", "CHEMIO_SHM_DIR", lambda: "/dev/shm", _parse_path,
          "directory of RAM-resident files for the shm backend"),
     Spec("shm_limit", "CHEMIO_SHM_LIMIT", lambda: "50%", _parse_limit,
          "RAM budget of the shm backend: bytes (512M, 4G) or a share of available memory"),
     Spec("sync", "CHEMIO_SYNC", lambda: False, _parse_bool,
          "complete every async call before it returns (debugging)"),
-    Spec("trace", "CHEMIO_TRACE", lambda: None, _parse_opt_str,
-         "write a Chrome/Perfetto trace of I/O events to this path at exit"),
+    Spec("trace", "CHEMIO_TRACE", lambda: None, _parse_opt_path,
+         "write a Chrome/Perfetto trace of I/O events to this path at exit (a new file, or "
+         "one of yours it replaces; never through a link)"),
     Spec("keep", "CHEMIO_KEEP", lambda: False, _parse_bool,
          "keep scratch files at exit for inspection"),
     Spec("direct", "CHEMIO_DIRECT", lambda: False, _parse_bool,
@@ -139,49 +246,172 @@ class Setting:
         return f"{self.name}={self.value!r} ({self.source})"
 
 
-def config_path() -> str | None:
-    """The TOML file in use, or None."""
+_HOW_ENV = "named by CHEMIO_CONFIG"
+_HOW_CWD = "chemio.toml in the working directory"
+_HOW_USER = "the user config file"
+
+
+def _find_config() -> tuple[str, str] | None:
+    """The config file to use and how it was found, or None (``CHEMIO_CONFIG=/dev/null``)."""
     p = os.environ.get("CHEMIO_CONFIG")
     if p:
-        return p
-    if os.path.isfile("chemio.toml"):
-        return os.path.abspath("chemio.toml")
+        return None if p == os.devnull else (p, _HOW_ENV)
+    if os.path.lexists("chemio.toml"):                 # a link, FIFO... too: refused below
+        return os.path.abspath("chemio.toml"), _HOW_CWD
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     p = os.path.join(base, "chemio", "config.toml")
-    return p if os.path.isfile(p) else None
+    return (p, _HOW_USER) if os.path.lexists(p) else None
 
 
-def _toml() -> tuple[str | None, dict]:
-    path = config_path()
-    if not path:
-        return None, {}
+def config_path() -> str | None:
+    """The TOML file in use, or None."""
+    found = _find_config()
+    return found[0] if found else None
+
+
+def _user(uid: int) -> str:
     try:
-        mtime = os.stat(path).st_mtime
+        import pwd
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def _way_out(path: str, how: str) -> str:
+    if how == _HOW_ENV:
+        return "point CHEMIO_CONFIG at a file of your own, or unset it"
+    return (f"remove it{' or run from another directory' if how == _HOW_CWD else ''}, or set "
+            f"CHEMIO_CONFIG to a file of your own (CHEMIO_CONFIG=/dev/null for no config file)")
+
+
+def _refuse(path: str, how: str, what: str, todo: str | None = None) -> ConfigError:
+    return ConfigError(f"config file {path!r} ({how}) {what}; {todo or _way_out(path, how)}")
+
+
+def _check_trust(path: str, how: str, st: os.stat_result, what: str = "is") -> None:
+    """Only a file of this user (or root) that no one else may write holds our settings."""
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        you = "you (root)" if me == 0 else f"you ({_user(me)}) or root"
+        raise _refuse(path, how, f"{what} owned by {_user(st.st_uid)}, not by {you}: chemio "
+                      f"takes no settings from a file another user controls")
+    if st.st_mode & 0o022 and not _stat.S_ISLNK(st.st_mode):
+        who = {0o020: "group", 0o002: "others"}.get(st.st_mode & 0o022, "group and others")
+        raise _refuse(path, how, f"is writable by {who} (mode {oct(_stat.S_IMODE(st.st_mode))}), "
+                      f"so someone else could change your settings",
+                      f"run `chmod go-w {shlex.quote(path)}` if it is yours; otherwise "
+                      f"{_way_out(path, how)}")
+
+
+def _resolve(path: str, how: str) -> tuple[str, os.stat_result]:
+    """The file to open for ``path`` and its ``lstat``; a final link is followed only for
+    CHEMIO_CONFIG and the user config file, and only when the link is ours (or root's)."""
+    try:
+        st = os.lstat(path)
     except FileNotFoundError:
-        raise ConfigError(f"CHEMIO_CONFIG names {path!r}, which does not exist; "
-                          f"create it or unset CHEMIO_CONFIG") from None
-    cached = _toml_cache.get(path)
-    if cached and cached[0] == mtime:
-        return path, cached[1]
+        raise _refuse(path, how, "does not exist",
+                      "create it or unset CHEMIO_CONFIG" if how == _HOW_ENV else None) from None
+    except OSError as e:
+        raise _refuse(path, how, f"cannot be examined: {e.strerror}") from None
+    if not _stat.S_ISLNK(st.st_mode):
+        return path, st
+    real = os.path.realpath(path)
+    if how == _HOW_CWD:
+        raise _refuse(path, how, f"is a symbolic link (to {real!r}); chemio does not follow a "
+                      f"link named chemio.toml in the working directory, where others may "
+                      f"have placed it",
+                      f"set CHEMIO_CONFIG={real} to use the file it points to, or remove the link")
+    _check_trust(path, how, st, "is a symbolic link")
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        return real, os.lstat(real)
+    except FileNotFoundError:
+        raise _refuse(path, how, f"is a symbolic link to {real!r}, which does not exist",
+                      "create the file or " + ("unset CHEMIO_CONFIG" if how == _HOW_ENV
+                                               else "remove the link")) from None
+    except OSError as e:
+        raise _refuse(path, how, f"is a symbolic link to {real!r}, which cannot be "
+                      f"examined: {e.strerror}") from None
+
+
+def _cache_key(target: str, st: os.stat_result) -> tuple:
+    return (target, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+            st.st_mode, st.st_uid)
+
+
+def _load(path: str, how: str, target: str) -> tuple[tuple, dict]:
+    """Open, check (on the open descriptor) and parse the config file."""
+    try:
+        fd = ownfiles.open_regular(target)
+    except ownfiles.NotARegularFile as e:
+        raise _refuse(path, how, f"{e.strerror}" + (f" ({target!r})" if target != path else "")
+                      ) from None
+    except FileNotFoundError:
+        raise _refuse(path, how, "vanished while being opened") from None
+    except OSError as e:
+        raise _refuse(path, how, f"cannot be opened: {e.strerror}") from None
+    too_big = _refuse(path, how, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a chemio "
+                      f"config file", "remove it or point CHEMIO_CONFIG elsewhere")
+    try:
+        st = os.fstat(fd)
+        _check_trust(path, how, st)
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise too_big
+        chunks, left = [], MAX_CONFIG_BYTES + 1
+        while left > 0:
+            b = os.read(fd, left)
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    except OSError as e:
+        raise _refuse(path, how, f"cannot be read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise too_big
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise _refuse(path, how, f"is not UTF-8 text (byte {e.start})",
+                      "fix or remove it") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     unknown = set(data) - set(SPECS) - {"files"}
     if unknown:
         raise ConfigError(f"config file {path!r} has unknown keys {sorted(unknown)}; "
                           f"known: {sorted(SPECS)} and [files.\"pattern\"] tables")
-    _toml_cache[path] = (mtime, data)
+    return _cache_key(target, st), data
+
+
+def _toml() -> tuple[str | None, dict]:
+    found = _find_config()
+    if found is None:
+        return None, {}
+    path, how = found
+    target, st = _resolve(path, how)
+    cached = _toml_cache.get(path)
+    if cached and cached[0] == _cache_key(target, st):
+        return path, cached[1]                         # the very file checked when it was read
+    key, data = _load(path, how, target)
+    _toml_cache[path] = (key, data)
     return path, data
+
+
+def _where(source: str) -> str:
+    if source.startswith("env:"):
+        return f"environment variable {source[4:]}"
+    if source.startswith("file:"):
+        return f"config file {source[5:]}"
+    return source
 
 
 def _parse(spec: Spec, raw: Any, source: str) -> Any:
     try:
         return spec.parse(raw)
-    except (TypeError, ValueError) as e:
-        where = spec.env if source.startswith("env") else source
-        raise ConfigError(f"setting {spec.name!r} = {raw!r} (from {where}) is invalid: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise ConfigError(f"setting {spec.name!r} = {_show(raw)} (from {_where(source)}) is "
+                          f"invalid: {e}") from None
 
 
 def get_setting(name: str) -> Setting:
@@ -261,7 +491,10 @@ def file_rules() -> list[tuple[str, dict, str]]:
         if bad:
             raise ConfigError(f"[files.{pattern!r}] in {path!r} has unknown keys {sorted(bad)}; "
                               f"known: ['backend']")
-        out.append((pattern, values, f"file:{path} [files.\"{pattern}\"]"))
+        source = f"file:{path} [files.\"{pattern}\"]"
+        if "backend" in values:
+            values = {**values, "backend": _parse(SPECS["backend"], values["backend"], source)}
+        out.append((pattern, values, source))
     return out
 
 

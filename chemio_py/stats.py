@@ -13,14 +13,17 @@ go to the trace on separate tracks, and ``plot_timeline()`` draws them (matplotl
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
+import stat as _stat
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import config
+from . import config, ownfiles
 
 _lock = threading.Lock()
 _files: dict[str, "FileStats"] = {}
@@ -141,9 +144,10 @@ class _Trace:
     def refresh(self) -> None:
         try:
             self.path = config.get("trace")
-        except Exception:
+        except Exception:          # a refused setting or config file: no trace
             self.path = None
         self.on = self.path is not None
+        self.pid = os.getpid()     # the process that writes the trace at exit
 
     def event(self, name: str, cat: str, t0: float, t1: float, args: dict | None = None,
               track: str | None = None) -> None:
@@ -180,34 +184,136 @@ def trace_events() -> list[dict]:
         return list(_trace.events)
 
 
-def write_trace(path: str | None = None) -> str | None:
-    """Write the collected events as Chrome/Perfetto JSON; returns the path written."""
-    path = path or _trace.path
-    if not path:
-        return None
+def _trace_target(path: str) -> str:
+    """The file this rank writes: under MPI, ``<root>.rank<N><ext>`` (one file per rank)."""
     from .comm import comm
     try:
         c = comm()
         if c.size > 1:
             root, ext = os.path.splitext(path)
-            path = f"{root}.rank{c.rank}{ext or '.json'}"
+            return f"{root}.rank{c.rank}{ext or '.json'}"
     except Exception:
         pass
+    return path
+
+
+class _Refused(Exception):
+    """The trace target turned out not to be replaceable (the message says why)."""
+
+
+def _replaceable(target: str) -> str | None:
+    """Why chemio must not replace ``target`` (None: it may). Only a missing file or a
+    regular file of this user is replaced; never a link, a device, a directory..."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"it cannot be examined ({e.strerror})"
+    if _stat.S_ISLNK(st.st_mode):
+        try:
+            to = f" (to {os.readlink(target)!r})"
+        except OSError:
+            to = ""
+        return f"it is a symbolic link{to}, and chemio does not write through links"
+    if not _stat.S_ISREG(st.st_mode):
+        return f"it is {ownfiles._kind(st.st_mode)}, not a regular file"
+    if st.st_uid != os.geteuid():
+        return (f"it is an existing file owned by uid {st.st_uid}, not by you "
+                f"(uid {os.geteuid()}), and chemio does not replace other users' files")
+    return None
+
+
+def _write_new(target: str, payload: bytes) -> None:
+    """Write ``payload`` to a fresh 0600 temp file beside ``target`` (``O_EXCL|O_NOFOLLOW``,
+    unguessable name), then rename it onto ``target`` (a rename replaces, never writes
+    through, whatever name is there)."""
+    directory, base = os.path.split(os.path.abspath(target))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{base}.{os.urandom(8).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:                                              # pragma: no cover
+        raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
+    try:
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        why = _replaceable(target)                     # again: the target may have changed
+        if why is not None:
+            raise _Refused(why)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_trace(path: str | None = None) -> str | None:
+    """Write the collected events as Chrome/Perfetto JSON; returns the path written.
+
+    ``path`` (else the ``trace`` setting) gets a new file, mode 0600, or replaces a regular
+    file of this user; a symbolic link, a FIFO, a directory or another user's file there is
+    refused (``ArgumentError`` for ``path``, ``ConfigError`` for the setting) and left alone.
+    Under MPI each rank writes ``<root>.rank<N><ext>``.
+    """
+    explicit = path is not None
+    path = path or _trace.path
+    if not path:
+        return None
+    target = _trace_target(path)
     with _trace.lock:
         data = {"traceEvents": list(_trace.events), "displayTimeUnit": "ms"}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
-    return path
+    payload = json.dumps(data).encode()
+    why = _replaceable(target)
+    try:
+        if why is None:
+            _write_new(target, payload)
+    except _Refused as e:
+        why = str(e)
+    if why is not None:
+        if explicit:
+            from .errors import ArgumentError
+            raise ArgumentError(f"write_trace({path!r}) will not write {target!r}: {why}; "
+                                f"remove it or choose another path")
+        try:
+            source = config.get_setting("trace").source
+        except Exception:
+            source = "settings"
+        raise config.ConfigError(f"the I/O trace (setting 'trace' from {source}) will not be "
+                                 f"written to {target!r}: {why}; remove it or set CHEMIO_TRACE "
+                                 f"to another path")
+    return target
 
 
 @atexit.register
 def _write_trace_at_exit() -> None:
-    if _trace.on and _trace.events:
+    """Write the trace at exit; a refusal or an I/O error is one warning line, not a traceback.
+
+    Only the process that set the trace up writes it: a forked child that exits normally
+    would otherwise replace its parent's trace with its own copy of the events.
+    """
+    if not (_trace.on and _trace.events) or _trace.pid != os.getpid():
+        return
+    try:
+        write_trace()
+    except Exception as e:
+        msg = str(e) if isinstance(e, config.ConfigError) else (
+            f"the I/O trace was not written to {_trace.path!r}: "
+            f"{getattr(e, 'strerror', None) or e}")
         try:
-            write_trace()
-        except OSError:
+            sys.stderr.write("chemio: warning: " + " ".join(msg.split()) + "\n")
+            sys.stderr.flush()
+        except Exception:
             pass
 
 
