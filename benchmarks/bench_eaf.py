@@ -376,7 +376,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
     restore: Any = None
     s = config.get_setting("io_threads")
     if s.value < IN_FLIGHT:
-        restore = s.value if s.source == "configure()" else None
+        restore = s.value if s.source == "explicit" else None
         config.configure(io_threads=IN_FLIGHT)
         changed = True
     else:

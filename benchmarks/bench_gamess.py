@@ -147,7 +147,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
     have_fio = fio_available()
     s = config.get_setting("io_threads")
     changed = s.value < IN_FLIGHT
-    restore = s.value if s.source == "configure()" else None
+    restore = s.value if s.source == "explicit" else None
     if changed:
         config.configure(io_threads=IN_FLIGHT)      # 32 blocking preadv in flight = QD 32
     rows = []
