@@ -74,19 +74,21 @@ class OutOfSpaceError(StorageError):
 class UnobservedIOError(StorageError):
     """Asynchronous I/O of a file failed and nobody waited for it; raised (once) by the
     file's ``flush()`` or ``close()``. ``errors`` holds every such failure, the first is
-    also the ``__cause__``."""
+    also the ``__cause__`` (its errno is kept; EIO when it has none)."""
 
     def __init__(self, path: str, errors: list[BaseException]):
         self.errors = list(errors)
         first = self.errors[0]
         err = getattr(first, "errno", None) or _errno.EIO
+        size = getattr(first, "nbytes", None) if isinstance(first, EOFError) else \
+            getattr(first, "size", None)
         n = len(self.errors)
         StorageError.__init__(
-            self, err, path, getattr(first, "offset", None), getattr(first, "size", None),
-            f"{n} asynchronous request{'s' if n > 1 else ''} (first: "
+            self, err, path, getattr(first, "offset", None), size,
+            f"{n} asynchronous request{'s' if n > 1 else ''} that nobody waited for (first: "
             f"{type(first).__name__}: {first})",
-            "it was never waited for, so its data may be missing from the file; wait() on "
-            "the requests of awrite()/aread() to see each error where it happens")
+            "a failed write's data is not in the file and a failed read's buffer was not "
+            "filled; wait() on each request to handle its error where it happens")
 
 
 class EndOfFileError(ChemIOError, EOFError):
@@ -163,7 +165,8 @@ class CollectiveError(ChemIOError):
 
 
 __all__ = [
-    "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "UnobservedIOError", "EndOfFileError", "SectionError",
+    "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "UnobservedIOError",
+    "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
     "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",
     "SpillWarning",
