@@ -13,17 +13,36 @@ The semi-direct SCF integral cache: the first iteration appends batches of integ
 Records are concatenated into a byte stream cut into pages of ``page_size`` bytes
 (>= 1 MiB); a full page is written behind (``depth`` writes in flight) while the caller
 keeps appending, optionally compressed by a numcodecs codec (``"zstd"``, ``"blosc"``).
-``flush()`` / ``close()`` write the page index at the end of the file, so the file can be
-reopened (``mode="r"`` or ``"r+"``) and replayed by another run. A record larger than a
-page spans several pages. The file is an ``ExclusiveFile`` of this rank: same naming, modes,
-scratch lifecycle and backends.
+``flush()`` / ``close()`` commit: they write the page index and then point the file header
+at it, so the file can be reopened (``mode="r"`` or ``"r+"``) and replayed by another run.
+A record larger than a page spans several pages. The file is an ``ExclusiveFile`` of this
+rank: same naming, modes, scratch lifecycle and backends.
 
-File layout: pages, then the index (a JSON header and an int64 table of
-``offset, stored bytes, raw bytes, compressed?`` per page), then a 32-byte trailer
-(magic, index offset, index length, CRC-32 of the index, JSON length). In the stream a
-record is a 16-byte prefix (magic, number of arrays, header length, payload length), one
-descriptor per array (dtype string, shape), then each array's bytes; every part is padded
-to 8 bytes so that replayed arrays are aligned views into the page buffers.
+**Commits.** Nothing a commit refers to is overwritten before the next commit is complete:
+pages and indexes are only ever placed in free space after it (a partly filled page that
+grows is rewritten in place with the same leading bytes), and the header holds two commit
+slots written alternately, each with its own checksum. A crash (SIGKILL, power loss after
+a durable flush) or a later failure (ENOSPC, an exception) therefore leaves the last
+complete commit readable: the reopened file holds exactly the records of that commit. Each
+commit leaves the previous index behind as dead space (about 40 bytes per page).
+
+**File layout (format 2).** A 4096-byte header: the magic ``CIORECv2`` at 0 and two commit
+slots at 512 and 1024 (magic ``CIORECSL``, generation, position of the index trailer,
+flags (1 = durable), CRC-32 of the slot). Then pages and indexes, in allocation order. An
+index is a JSON header and an int64 table of ``offset, stored bytes, raw bytes,
+compressed?, CRC-32 of the raw page`` per page, followed by a 32-byte trailer (magic
+``CIOREC01``, index offset, index length, CRC-32 of the index, JSON length). The reader
+takes the newest valid slot; when its index is damaged it falls back to the other slot
+(with a warning) unless the newest commit was durable (then the damage is an error).
+Format 1 files (no header, page ``i`` at ``i * page_size``, the trailer at the end of the
+file, no page checksums) are still replayed; append to them by copying into a new file.
+
+In the stream a record is a 16-byte prefix (magic, number of arrays, header length,
+payload length), one descriptor per array (dtype string, shape), then each array's bytes;
+every part is padded to 8 bytes so that replayed arrays are aligned views into the page
+buffers. Every size read from a file is checked against the file (or the stream its index
+describes) before anything is allocated; a page is checked against its CRC before its
+records are parsed.
 """
 from __future__ import annotations
 
@@ -32,9 +51,11 @@ import math
 import operator
 import struct
 import threading
+import warnings
 import weakref
 import zlib
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -49,16 +70,28 @@ MAX_PAGE = 1 << 30
 DEFAULT_PAGE = 4 * MiB
 PAGE_ALIGN = 4096
 
+_HEADER = 4096                          # format 2: header before the first page
+_HMAGIC = b"CIORECv2"
+_SLOT = struct.Struct("<8sQQQI")        # magic, generation, trailer position, flags, CRC-32
+_SMAGIC = b"CIORECSL"
+_SLOT_OFFSETS = (512, 1024)
+_DURABLE = 1
 _TRAILER = struct.Struct("<8sQQII")
 _MAGIC = b"CIOREC01"
 _PREFIX = struct.Struct("<HHIQ")
 _REC_MAGIC = 0xC10E
 _FORMAT = "chemio.records"
-_VERSION = 1
+_VERSION = 2
+_COLUMNS = {1: 4, 2: 5}                 # int64 columns of the page table, per format
 _KINDS = "biufcmMSU"
 _CODECS = ("zstd", "blosc", "lz4", "zlib", "gzip", "bz2", "lzma")
 MAX_INDEX_BYTES = 1 << 30
+MAX_HEAD_BYTES = 1 << 16          # the JSON header of an index is a few hundred bytes
 _ZPAD = memoryview(bytes(8))
+
+
+class RecoveredWarning(UserWarning):
+    """A record file was opened at its previous commit: the newest one is incomplete."""
 
 
 class CompressorUnavailableError(ChemIOError, ImportError):
@@ -203,6 +236,251 @@ def _parse(ro: memoryview, base: int, n: int, hl: int, pl: int) -> tuple:
     return tuple(out)
 
 
+# ---------------------------------------------------------------- reading an index
+
+@dataclass
+class Index:
+    """A validated commit of a record file (what ``read_index`` found)."""
+    version: int
+    page_size: int
+    codec: Any
+    records: int
+    stream: int
+    pages: list                     # per page: [offset, stored, raw, compressed, crc (-1: none)]
+    ioff: int                       # where the index starts
+    end: int                        # where its trailer ends
+    generation: int = 0             # format 2: the commit's generation and slot
+    slot: int | None = None
+    durable: bool = False
+    max_generation: int = 0         # the highest valid generation seen in the header
+    recovered: str | None = None    # set when an older commit had to be used
+    notes: list = field(default_factory=list)
+
+
+def _slot_bytes(gen: int, tpos: int, flags: int) -> bytes:
+    head = _SLOT.pack(_SMAGIC, gen, tpos, flags, 0)[:-4]
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def read_index(read_at: Callable[[int, int], bytes], size: int, where: str,
+               fix: str = "it is damaged or was not closed; delete it and rebuild the cache"
+               ) -> Index:
+    """The last complete commit of a record file of ``size`` bytes; ``MetadataError`` if none.
+
+    ``read_at(offset, n)`` returns ``n`` bytes of the file; it is only called for ranges
+    inside the file. ``where`` names the file in messages.
+    """
+    if size < 8:
+        raise MetadataError(f"{where} is {size} bytes, too short for a record file; {fix}")
+    if read_at(0, 8) != _HMAGIC:
+        if size < _TRAILER.size:
+            raise MetadataError(f"{where} is {size} bytes, too short for a record index; {fix}")
+        return _index_at(read_at, size, size - _TRAILER.size, 1, where, fix)
+    if size < _HEADER:
+        raise MetadataError(f"{where} is {size} bytes, shorter than its {_HEADER}-byte header: "
+                            f"it was never flushed; {fix}")
+    slots, notes = [], []
+    for j, so in enumerate(_SLOT_OFFSETS):
+        raw = read_at(so, _SLOT.size)
+        magic, gen, tpos, flags, crc = _SLOT.unpack(raw)
+        if magic == _SMAGIC and zlib.crc32(raw[:-4]) == crc:
+            slots.append((gen, tpos, flags, j))
+        elif raw != bytes(_SLOT.size):
+            notes.append(f"commit slot {j} is not valid (torn or damaged)")
+    if not slots:
+        raise MetadataError(f"{where} holds no committed record index (no valid commit slot): "
+                            f"it was never flushed, or its header is damaged; {fix}")
+    slots.sort(reverse=True)
+    top = slots[0][0]
+    first_error = None
+    for k, (gen, tpos, flags, j) in enumerate(slots):
+        try:
+            idx = _index_at(read_at, size, tpos, 2, where, fix)
+        except MetadataError as e:
+            if k == 0 and flags & _DURABLE:
+                raise MetadataError(f"{where}: the last durable commit (generation {gen}) is "
+                                    f"damaged: {e}") from None
+            first_error = first_error or e
+            notes.append(f"commit {gen} (slot {j}) is unusable: {e}")
+            continue
+        idx.generation, idx.slot, idx.durable = gen, j, bool(flags & _DURABLE)
+        idx.max_generation, idx.notes = top, notes
+        if k:
+            idx.recovered = (f"{where}: the newest commit (generation {top}) is incomplete or "
+                             f"damaged ({first_error}); opened at the previous commit "
+                             f"(generation {gen}, {idx.records} records)")
+        return idx
+    raise first_error
+
+
+def _index_at(read_at: Callable[[int, int], bytes], size: int, tpos: int, version: int,
+              where: str, fix: str) -> Index:
+    """The index whose trailer sits at ``tpos``, checked against a file of ``size`` bytes."""
+    low = _HEADER if version == 2 else 0
+    if not low <= tpos <= size - _TRAILER.size:
+        raise MetadataError(f"{where}: the index trailer at {tpos} lies outside the file of "
+                            f"{size} bytes (truncated?); {fix}")
+    magic, ioff, ilen, crc, jlen = _TRAILER.unpack(read_at(tpos, _TRAILER.size))
+    if magic != _MAGIC:
+        raise MetadataError(f"{where} has no record index trailer at {tpos} (found "
+                            f"{magic!r}); {fix}")
+    if (ioff + ilen != tpos or ioff < low or ilen > MAX_INDEX_BYTES or jlen > ilen
+            or jlen > MAX_HEAD_BYTES or (version == 1 and tpos + _TRAILER.size != size)):
+        raise MetadataError(f"{where}: index at {ioff} of {ilen} bytes does not fit the file "
+                            f"size {size}; {fix}")
+    blob = read_at(ioff, ilen)
+    if zlib.crc32(blob) != crc:
+        raise MetadataError(f"{where}: the record index fails its checksum; {fix}")
+    try:
+        head = json.loads(blob[:jlen].decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise MetadataError(f"{where}: the record index header is not JSON; {fix}") from None
+    if not isinstance(head, dict):
+        raise MetadataError(f"{where}: the record index header is {type(head).__name__}, "
+                            f"not an object; {fix}")
+    if head.get("format") != _FORMAT or head.get("version") != version:
+        raise MetadataError(f"{where}: record index format {head.get('format')!r:.40} version "
+                            f"{head.get('version')!r:.20} is not {_FORMAT} {version}; {fix}")
+    ints = {}
+    for k in ("page_size", "records", "stream_bytes", "pages"):
+        v = head.get(k)
+        if type(v) is not int or v < 0:
+            raise MetadataError(f"{where}: index field {k!r} = {v!r:.40} is not an integer "
+                                f">= 0; {fix}")
+        ints[k] = v
+    try:
+        ps = _check_page_size(ints["page_size"])
+    except ArgumentError as e:
+        raise MetadataError(f"{where}: {e}; {fix}") from None
+    cfg = head.get("compressor")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise MetadataError(f"{where}: compressor {cfg!r:.80} is not a codec config; {fix}")
+    npages, stream, nrec = ints["pages"], ints["stream_bytes"], ints["records"]
+    cols = _COLUMNS[version]
+    if len(blob) - jlen != 8 * cols * npages:
+        raise MetadataError(f"{where}: index table holds {len(blob) - jlen} bytes, not "
+                            f"{npages} pages of {8 * cols}; {fix}")
+    if stream % 8 or -(-stream // ps) != npages or nrec * _PREFIX.size > stream:
+        raise MetadataError(f"{where}: {nrec} records in {stream} stream bytes do not match "
+                            f"{npages} pages of {ps}; {fix}")
+    codec = None if cfg is None else _codec(cfg)
+    table = np.frombuffer(blob, "<i8", cols * npages, jlen).reshape(npages, cols)
+    pages = []
+    for i, row in enumerate(table.tolist()):
+        off, stored, raw, flag = row[:4]
+        crc = row[4] if cols == 5 else -1
+        want = ps if i < npages - 1 else stream - ps * (npages - 1)
+        ok = (raw == want and low <= off and off + stored <= ioff and flag in (0, 1)
+              and (stored == raw if flag == 0 else (0 < stored < raw and codec is not None))
+              and (version == 2 or codec is not None or off == i * ps)
+              and (-1 if version == 1 else 0) <= crc < (1 << 32))
+        if not ok:
+            raise MetadataError(f"{where}: page {i} entry (offset {off}, stored {stored}, "
+                                f"raw {raw}, compressed {flag}) is inconsistent with the file "
+                                f"({size} bytes, index at {ioff}); {fix}")
+        pages.append([off, stored, raw, flag, crc])
+    last = -1
+    for off, stored, _, _, _ in sorted(pages):
+        if off < last:
+            raise MetadataError(f"{where}: pages overlap at offset {off}; {fix}")
+        last = off + stored
+    return Index(version=version, page_size=ps, codec=codec, records=nrec, stream=stream,
+                 pages=pages, ioff=ioff, end=tpos + _TRAILER.size)
+
+
+def decode_page(codec: Any, entry: list, stored: np.ndarray | None, out: np.ndarray,
+                where: str, i: int) -> np.ndarray:
+    """Page ``i`` (``entry`` of its index) from its stored bytes: decompressed into ``out``
+    (when compressed; else ``out`` already holds it) and checked against its CRC."""
+    _, n_stored, raw, flag, crc = entry
+    page = out[:raw]
+    if flag:
+        try:
+            codec.decode(stored[:n_stored], out=page)
+        except Exception as e:
+            raise MetadataError(f"page {i} of {where} does not decompress "
+                                f"({type(e).__name__}: {e}); the file is damaged") from None
+    if crc >= 0 and zlib.crc32(page) != crc:
+        raise MetadataError(f"page {i} of {where} fails its checksum (the bytes on disk are "
+                            f"not those written: torn or damaged); the file is damaged")
+    return page
+
+
+def iter_records(pages: Iterator, n_records: int, stream: int, where: str) -> Iterator[tuple]:
+    """The records of a stream of ``stream`` bytes, from ``pages`` yielding ``(key, page)``.
+
+    Records are tuples of read-only arrays, views into the pages (valid until the next
+    step). Every prefix is checked against what is left of the stream before anything
+    is allocated for a record that spans pages.
+    """
+    page: np.ndarray | None = None
+    mv = memoryview(b"")
+    pos = plen = 0
+    left = stream
+
+    def advance() -> None:
+        nonlocal page, mv, pos, plen
+        try:
+            _, page = next(pages)
+        except StopIteration:
+            raise MetadataError(f"{where} ends inside a record; the file is damaged") from None
+        mv = memoryview(page).toreadonly()      # replayed arrays are read-only views
+        pos, plen = 0, len(page)
+
+    def gather(n: int) -> bytearray:
+        nonlocal pos
+        out = bytearray(n)
+        o = 0
+        while o < n:
+            if pos == plen:
+                advance()
+            k = min(n - o, plen - pos)
+            out[o:o + k] = mv[pos:pos + k]
+            pos += k
+            o += k
+        return out
+
+    def check(k: int, magic: int, na: int, hl: int, pl: int) -> int:
+        if magic != _REC_MAGIC or hl % 8 or pl % 8:
+            raise MetadataError(f"{where}: bad prefix of record {k} (magic {magic:#x}, header "
+                                f"{hl}, payload {pl}); the file is damaged")
+        total = _PREFIX.size + hl + pl
+        if total > left or 2 * na > hl:
+            raise MetadataError(f"{where}: record {k} claims {total} bytes ({na} arrays, "
+                                f"header {hl}, payload {pl}) but the stream holds {left} more; "
+                                f"the file is damaged or hostile")
+        return total
+
+    try:
+        for k in range(n_records):
+            if pos == plen:
+                advance()
+            if plen - pos >= _PREFIX.size:
+                magic, na, hl, pl = _PREFIX.unpack_from(mv, pos)
+                total = check(k, magic, na, hl, pl)
+                if plen - pos >= total:
+                    rec = _parse(mv, pos, na, hl, pl)
+                    pos += total
+                    left -= total
+                    yield rec
+                    continue
+                buf = gather(total)
+            else:
+                pre = gather(_PREFIX.size)
+                magic, na, hl, pl = _PREFIX.unpack_from(pre, 0)
+                total = check(k, magic, na, hl, pl)
+                buf = pre + gather(total - _PREFIX.size)
+            left -= total
+            yield _parse(memoryview(buf).toreadonly(), 0, na, hl, pl)
+        if left:
+            raise MetadataError(f"{where}: {left} stream bytes follow the last of its "
+                                f"{n_records} records; the file is damaged")
+    finally:
+        close = getattr(pages, "close", None)
+        if close is not None:
+            close()
+
+
 class RecordFile:
     """Variable-size records (tuples of NumPy arrays) appended and replayed in order.
 
@@ -214,16 +492,24 @@ class RecordFile:
       an append past it raises ``LimitExceededError`` and stores nothing.
     * ``replay(depth=2)`` yields each record as a tuple of read-only arrays, reading
       ``depth`` pages ahead; the arrays are valid until the next step (copy to keep).
-    * ``flush()`` writes everything and the page index (``durable=True`` also syncs to
-      the device); ``close()`` flushes and closes. Reopen with ``mode="r"`` to replay or
-      ``"r+"`` to append more; ``page_size`` and ``compressor`` are fixed at creation.
+    * ``flush()`` commits every record appended so far: once it returns, reopening the
+      file (in another process, or after this one is killed) shows them, and no later
+      failure of this handle (ENOSPC, an exception, a kill) takes them away. It does not
+      wait for the device: an OS crash or power loss may undo it.
+      ``flush(durable=True)`` also syncs pages, index and header to the device before it
+      returns: the records survive an OS crash or power loss too.
+    * ``close()`` is ``flush()`` (not durable) and closes; an open replay is closed first.
+      Records appended after the last commit are lost if the process dies before it.
+      Reopen with ``mode="r"`` to replay or ``"r+"`` to append more; ``page_size`` and
+      ``compressor`` are fixed at creation.
     * ``nbytes``: bytes the file holds once flushed (compare with ``cio.stat(path).free``);
       ``raw_nbytes``: the uncompressed stream; ``len(log)``: the number of records;
-      ``RecordFile.record_nbytes(*arrays)``: stream bytes one record takes.
+      ``RecordFile.record_nbytes(*arrays)``: stream bytes one record takes;
+      ``recovered``: None, or why the file was opened at its previous commit.
 
     An error of a write behind surfaces at the next ``append``/``flush``/``close`` and
-    leaves the file failed (every later call raises it). Not for concurrent use by
-    several threads; do not append while a replay is open.
+    leaves the file failed (every later call raises it; the last commit stays readable).
+    Not for concurrent use by several threads; do not append while a replay is open.
     """
 
     def __init__(self, name: str, mode: str = "w+", *, page_size: int | None = None,
@@ -253,10 +539,13 @@ class RecordFile:
         self.name = name
         self._mode = mode
         self._lock = threading.Lock()
-        self._pages: list[list[int] | None] = []   # per page: offset, stored, raw, compressed?
+        # per page: offset, stored, raw, compressed?, CRC-32 of the raw bytes (-1: unknown)
+        self._pages: list[list[int] | None] = []
         self._n = 0                  # records
         self._stream = 0             # stream bytes appended
-        self._alloc = 0              # compressed mode: end of the page data
+        self._alloc = _HEADER        # first free byte: nothing committed lies at or after it
+        self._slot: int | None = None   # where the page being filled is (partly) written
+        self._unplaced = 0           # pages handed to the pool to compress, not yet placed
         self._page_no = 0            # index of the page being filled
         self._pos = 0                # bytes in the page being filled
         self._bufs: list[np.ndarray] = []
@@ -264,12 +553,20 @@ class RecordFile:
         self._buf_req: list[requests.Request | None] = []
         self._cur = 0
         self._dirty = new
+        self._gen = 0                # generation of the last commit (0: none yet)
+        self._commit_slot: int | None = None
+        self._tpos: int | None = None    # trailer of the last commit
+        self._durable = False        # the last commit is known to be on the device
         self._flushed_size: int | None = None
         self._error: BaseException | None = None
+        self.recovered: str | None = None
         self._replays: "weakref.WeakSet[_Replay]" = weakref.WeakSet()
+        self._wb = None
         self._f = ExclusiveFile(name, mode, backend=backend, dir=dir, size_hint=size_hint)
         try:
-            if not new:
+            if new:
+                self._f.write(0, _HMAGIC + bytes(_HEADER - len(_HMAGIC)))
+            else:
                 self._load_index(page_size)
             self._wb = WriteBehind(self._depth, name=f"records:{name}") if mode != "r" else None
             if mode == "r+" and self._pages:
@@ -315,22 +612,23 @@ class RecordFile:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the file holds once flushed: pages (the open one uncompressed) + index.
+        """Bytes the file holds once closed: header, pages, indexes (the last one included).
 
         Exact after ``flush()``/``close()`` and for an unmodified reopened file; with
         compression and unflushed records it is an upper bound.
         """
         if not self._dirty and self._flushed_size is not None:
             return self._flushed_size
-        if self._codec is None:
-            data = self._stream
-        else:
-            with self._lock:      # pages still being compressed count as uncompressed
-                done = sum(self._page_size if p is None else p[1]
-                           for p in self._pages[:self._page_no])
-            data = done + self._pos
+        ps = self._page_size
+        with self._lock:
+            end = self._alloc + self._unplaced * (ps + PAGE_ALIGN)
+            if self._pos:
+                if self._slot is None:
+                    end = _align(end) + self._pos
+                elif self._slot + ps == end:        # close() trims the slot of the last page
+                    end = self._slot + self._pos
         n = self.pages
-        return data + len(self._index_head(n)) + 32 * n + _TRAILER.size
+        return end + len(self._index_head(n)) + 8 * _COLUMNS[_VERSION] * n + _TRAILER.size
 
     @staticmethod
     def record_nbytes(*arrays: Any) -> int:
@@ -403,190 +701,215 @@ class RecordFile:
                 self._write_page()
                 self._next_buffer()
 
-    def _write_page(self) -> requests.Request:
-        """Queue the page being filled (first ``_pos`` bytes) for writing behind."""
+    def _take(self, n: int, align: bool) -> int:
+        """Allocate ``n`` bytes of free space (hold ``self._lock``); returns the offset."""
+        off = _align(self._alloc) if align else self._alloc
+        self._alloc = off + n
+        return off
+
+    def _write_page(self) -> None:
+        """Queue the full page being filled for writing behind (compressed on the pool)."""
         i, raw = self._page_no, self._pos
         view = self._bufs[self._cur][:raw]
         if i == len(self._pages):
             self._pages.append(None)
+        slot = self._slot
+        with self._lock:
+            if self._codec is None:
+                off = slot if slot is not None else self._take(self._page_size, True)
+                self._pages[i] = [off, raw, raw, 0, -1]
+            else:
+                self._unplaced += 1
         if self._codec is None:
-            off = i * self._page_size
-            self._pages[i] = [off, raw, raw, 0]
-            req = self._wb.submit(self._f.awrite, off, view)
+            req = self._wb.submit(requests.submit, self._plain_write, i, off, view, nbytes=raw)
         else:
-            req = self._wb.submit(requests.submit, self._compress_write, i, view, nbytes=raw)
+            req = self._wb.submit(requests.submit, self._compress_write, i, view, slot,
+                                  nbytes=raw)
         self._buf_req[self._cur] = req
-        return req
 
     def _next_buffer(self) -> None:
         self._page_no += 1
         self._pos = 0
+        self._slot = None
         self._cur = (self._cur + 1) % len(self._bufs)
         prev = self._buf_req[self._cur]
         if prev is not None and not prev.done():
             _quiet_wait(prev)       # its error, if any, surfaces through the WriteBehind
 
-    def _compress_write(self, i: int, view: np.ndarray) -> int:
-        """On the I/O pool: compress page ``i``, place it, write it."""
+    def _plain_write(self, i: int, off: int, view: np.ndarray) -> int:
+        """On the I/O pool: checksum page ``i`` and write it to its place."""
+        crc = zlib.crc32(view)
+        self._f.write(off, view)
+        self._pages[i][4] = crc
+        return len(view)
+
+    def _compress_write(self, i: int, view: np.ndarray, slot: int | None) -> int:
+        """On the I/O pool: compress page ``i``, place it in free space, write it.
+
+        A page that does not shrink is stored raw, in the slot it already has if any.
+        """
         raw = len(view)
-        enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
-        data, flag = (memoryview(enc), 1) if len(enc) < raw else (memoryview(view), 0)
-        with self._lock:
-            old = self._pages[i]
-            if old is not None and old[1] >= len(data):
-                off = old[0]                  # a rewritten page that still fits: in place
-            else:
-                off = self._alloc
-                self._alloc += len(data)
-            self._pages[i] = [off, len(data), raw, flag]
+        crc = zlib.crc32(view)
+        try:
+            enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
+            data, flag = (memoryview(enc), 1) if len(enc) < raw else (memoryview(view), 0)
+            with self._lock:
+                if flag:
+                    off = self._take(len(data), False)
+                else:
+                    off = slot if slot is not None else self._take(self._page_size, True)
+        finally:
+            with self._lock:
+                self._unplaced -= 1
         self._f.write(off, data)
+        with self._lock:
+            self._pages[i] = [off, len(data), raw, flag, crc]
         return len(data)
 
+    def _write_partial(self, final: bool) -> None:
+        """Write the partly filled page (and wait), into its slot; with ``final`` (close)
+        compress it and trim its slot when nothing follows it. Every full page is placed."""
+        i, raw, ps = self._page_no, self._pos, self._page_size
+        view = self._bufs[self._cur][:raw]
+        if i == len(self._pages):
+            self._pages.append(None)
+        crc = zlib.crc32(view)
+        data, flag = memoryview(view), 0
+        if final and self._codec is not None:
+            enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
+            if len(enc) < raw:
+                data, flag = memoryview(enc), 1
+        with self._lock:
+            if flag:
+                off = self._take(len(data), False)
+            else:
+                if self._slot is None:
+                    self._slot = self._take(ps, True)
+                off = self._slot
+                if final and off + ps == self._alloc:
+                    self._alloc = off + raw
+        self._wb.submit(self._f.awrite, off, data, nbytes=raw)
+        self._wb.flush()
+        self._pages[i] = [off, len(data), raw, flag, crc]
+
     def flush(self, durable: bool = False) -> None:
-        """Write every appended record and the page index; ``durable`` also syncs the device."""
+        """Commit every appended record (see the class docstring for what that promises);
+        ``durable`` also syncs it to the device before returning."""
+        self._flush(durable, False)
+
+    def _flush(self, durable: bool, final: bool) -> None:
         self._check_open()
         if self._mode == "r":
             return
         try:
-            if self._pos and self._dirty:
-                self._write_page()          # the open page, partly filled (kept in memory)
-            self._wb.flush()
+            self._wb.flush()                 # full pages: placed and written
             if self._dirty:
-                self._write_index()
+                if self._pos:
+                    self._write_partial(final)
+                self._commit(durable)
                 self._dirty = False
-            if durable:
+            elif durable and not self._durable and self._tpos is not None:
                 self._f.flush()
+                self._publish(self._tpos, True)
         except BaseException as e:
             if self._error is None:
                 self._error = e
             raise
 
-    def _data_end(self) -> int:
-        if self._codec is None:
-            return self._stream
-        return self._alloc
-
     def _index_head(self, n_pages: int) -> bytes:
         return json.dumps({"format": _FORMAT, "version": _VERSION, "page_size": self._page_size,
                            "compressor": None if self._codec is None else self._codec.get_config(),
                            "records": self._n, "stream_bytes": self._stream,
-                           "pages": n_pages}, sort_keys=True).encode()
+                           "pages": n_pages, "columns": _COLUMNS[_VERSION]},
+                          sort_keys=True).encode()
 
-    def _write_index(self) -> None:
-        pages = self._pages[:self.pages]
-        table = np.array(pages, dtype="<i8").reshape(len(pages), 4)
-        head = self._index_head(len(pages))
+    def _commit(self, durable: bool) -> None:
+        """Write the index in free space, then point a header slot at it."""
+        n = self.pages
+        table = np.array(self._pages[:n], dtype="<i8").reshape(n, _COLUMNS[_VERSION])
+        head = self._index_head(n)
         blob = head + table.tobytes()
-        end = self._data_end()
-        trailer = _TRAILER.pack(_MAGIC, end, len(blob), zlib.crc32(blob), len(head))
-        self._f.write(end, blob + trailer)
-        total = end + len(blob) + len(trailer)
-        if self._f.size > total:
-            self._f.truncate(total)
-        self._flushed_size = total
+        with self._lock:
+            ioff = self._take(len(blob) + _TRAILER.size, False)
+        tpos = ioff + len(blob)
+        self._f.write(ioff, blob + _TRAILER.pack(_MAGIC, ioff, len(blob), zlib.crc32(blob),
+                                                 len(head)))
+        if durable:
+            self._f.flush()                  # pages and index on the device before the slot
+        self._publish(tpos, durable)
+        end = tpos + _TRAILER.size
+        if self._f.size > end:               # uncommitted bytes of an earlier run or slot
+            self._f.truncate(end)
+        self._flushed_size = end
+
+    def _publish(self, tpos: int, durable: bool) -> None:
+        """Write the next commit into the slot the current commit does not use."""
+        j = 0 if self._commit_slot is None else 1 - self._commit_slot
+        gen = self._gen + 1
+        self._f.write(_SLOT_OFFSETS[j], _slot_bytes(gen, tpos, _DURABLE if durable else 0))
+        if durable:
+            self._f.flush()
+        self._gen, self._commit_slot, self._tpos, self._durable = gen, j, tpos, durable
 
     # ------------------------------------------------------------ reopening
     def _load_index(self, page_size: Any) -> None:
         f = self._f
         size = f.size
         where = f"record file {f.path!r}"
-        fix = "it is damaged or was not closed; delete it and rebuild the cache"
-        if size < _TRAILER.size:
-            raise MetadataError(f"{where} is {size} bytes, too short for a record index; {fix}")
-        magic, ioff, ilen, crc, jlen = _TRAILER.unpack(f.read_bytes(size - _TRAILER.size,
-                                                                    _TRAILER.size))
-        if magic != _MAGIC:
-            raise MetadataError(f"{where} has no record index trailer (found {magic!r}); {fix}")
-        if ioff + ilen + _TRAILER.size != size or ilen > MAX_INDEX_BYTES or jlen > ilen:
-            raise MetadataError(f"{where}: index at {ioff} of {ilen} bytes does not fit the file "
-                                f"size {size}; {fix}")
-        blob = f.read_bytes(ioff, ilen)
-        if zlib.crc32(blob) != crc:
-            raise MetadataError(f"{where}: the record index fails its checksum; {fix}")
-        try:
-            head = json.loads(blob[:jlen].decode())
-        except (UnicodeDecodeError, ValueError):
-            raise MetadataError(f"{where}: the record index header is not JSON; {fix}") from None
-        if not isinstance(head, dict):
-            raise MetadataError(f"{where}: the record index header is {type(head).__name__}, "
-                                f"not an object; {fix}")
-        if head.get("format") != _FORMAT or head.get("version") != _VERSION:
-            raise MetadataError(f"{where}: record index format {head.get('format')!r} version "
-                                f"{head.get('version')!r} is not {_FORMAT} {_VERSION}; {fix}")
-        ints = {}
-        for k in ("page_size", "records", "stream_bytes", "pages"):
-            v = head.get(k)
-            if type(v) is not int or v < 0:
-                raise MetadataError(f"{where}: index field {k!r} = {v!r} is not an integer "
-                                    f">= 0; {fix}")
-            ints[k] = v
-        try:
-            ps = _check_page_size(ints["page_size"])
-        except ArgumentError as e:
-            raise MetadataError(f"{where}: {e}; {fix}") from None
-        if page_size is not None and page_size != ps:
-            raise ArgumentError(f"{where} has page_size {ps}, not {page_size}; the page size is "
-                                f"fixed when the file is created (pass page_size=None)")
-        cfg = head.get("compressor")
-        if cfg is not None and not isinstance(cfg, dict):
-            raise MetadataError(f"{where}: compressor {cfg!r} is not a codec config; {fix}")
-        codec = None if cfg is None else _codec(cfg)
-        npages, stream = ints["pages"], ints["stream_bytes"]
-        if (len(blob) - jlen) != 32 * npages:
-            raise MetadataError(f"{where}: index table holds {(len(blob) - jlen)} bytes, "
-                                f"not {npages} pages of 32; {fix}")
-        table = np.frombuffer(blob, "<i8", 4 * npages, jlen).reshape(npages, 4)
-        if stream % 8 or -(-stream // ps) != npages or ints["records"] * _PREFIX.size > stream:
-            raise MetadataError(f"{where}: {ints['records']} records in {stream} stream bytes "
-                                f"do not match {npages} pages of {ps}; {fix}")
-        pages = []
-        for i, (off, stored, raw, flag) in enumerate(table.tolist()):
-            want = ps if i < npages - 1 else stream - ps * (npages - 1)
-            ok = (raw == want and 0 <= off and off + stored <= ioff and flag in (0, 1)
-                  and (stored == raw if flag == 0 else (0 < stored < raw and codec is not None))
-                  and (codec is not None or off == i * ps))
-            if not ok:
-                raise MetadataError(f"{where}: page {i} entry (offset {off}, stored {stored}, "
-                                    f"raw {raw}, compressed {flag}) is inconsistent; {fix}")
-            pages.append([off, stored, raw, flag])
-        self._page_size, self._codec = ps, codec
-        self._pages, self._n, self._stream = pages, ints["records"], stream
-        self._alloc = ioff
-        self._page_no, self._pos = npages, 0
+
+        def read_at(off: int, n: int) -> bytes:
+            return f.read_bytes(off, n)
+
+        idx = read_index(read_at, size, where)
+        if page_size is not None and page_size != idx.page_size:
+            raise ArgumentError(f"{where} has page_size {idx.page_size}, not {page_size}; the "
+                                f"page size is fixed when the file is created (pass "
+                                f"page_size=None)")
+        if idx.version != _VERSION and self._mode != "r":
+            raise ModeError(f"{where} is in record format {idx.version}, written by an earlier "
+                            f"chemio_py; it can be replayed (mode 'r') but not appended to: "
+                            f"copy its records into a new RecordFile")
+        if idx.recovered:
+            self.recovered = idx.recovered
+            warnings.warn(idx.recovered, RecoveredWarning, stacklevel=3)
+        self._page_size, self._codec = idx.page_size, idx.codec
+        self._pages, self._n, self._stream = idx.pages, idx.records, idx.stream
+        self._alloc = idx.end
+        self._page_no, self._pos = len(idx.pages), 0
+        self._gen, self._commit_slot = idx.max_generation, idx.slot
+        self._tpos, self._durable = idx.end - _TRAILER.size, idx.durable
         self._flushed_size = size
 
     def _resume(self) -> None:
-        """Mode r+: continue filling a partly filled last page."""
+        """Mode r+: continue filling a partly filled last page (rewritten elsewhere: its
+        committed copy stays until the next commit)."""
         last = self._pages[-1]
         if last[2] == self._page_size:
             return
         self._alloc_buffers()
         self._page_no = len(self._pages) - 1
         self._pos = last[2]
-        self._read_page(self._page_no, (np.empty(self._page_size, np.uint8), self._bufs[0]))
+        self._slot = None
+        self._read_page(self._page_no, (np.empty(last[1], np.uint8), self._bufs[0]))
 
     # ------------------------------------------------------------ replay
     def _read_page(self, i: int, slot: tuple, entry: list | None = None) -> np.ndarray:
         """Blocking (on the I/O pool in a replay): page ``i`` into ``slot``; returns its bytes."""
-        off, stored, raw, flag = self._pages[i] if entry is None else entry
+        entry = self._pages[i] if entry is None else entry
+        off, stored, raw, flag, _ = entry
         comp, page = slot
-        out = page[:raw]
-        if not flag:
-            self._f.read(off, out)
-            return out
-        self._f.read(off, comp[:stored])
-        try:
-            self._codec.decode(comp[:stored], out=out)
-        except Exception as e:
-            raise MetadataError(f"page {i} of record file {self.path!r} does not decompress "
-                                f"({type(e).__name__}: {e}); the file is damaged") from None
-        return out
+        if flag:
+            self._f.read(off, comp[:stored])
+        else:
+            self._f.read(off, page[:raw])
+        return decode_page(self._codec, entry, comp, page, f"record file {self.path!r}", i)
 
     def replay(self, depth: int = 2) -> "_Replay":
         """Iterate over the records in order, ``depth`` pages read ahead (flushes first).
 
         Yields tuples of read-only arrays, valid until the next step. Use it in a ``for``
-        loop or a ``with`` block; ``close()`` ends it early.
+        loop or a ``with`` block; ``close()`` ends it early. Every page is checked against
+        its CRC before its records are handed out.
         """
         self._check_open()
         depth = check_depth(depth)
@@ -594,46 +917,43 @@ class RecordFile:
             self.flush()
         n_pages = self.pages
         pages = [list(p) for p in self._pages[:n_pages]]
-        ps = self._page_size
-        f = self._f
+        maxraw = max((p[2] for p in pages), default=0)
+        maxstored = max((p[1] for p in pages if p[3]), default=0)
         name = f"replay:{self.name}"
-        if self._codec is None:
-            from . import aligned_empty
+        from . import aligned_empty
 
-            def read_into(i: int, buf: np.ndarray) -> requests.Request:
-                off, _, raw, _ = pages[i]
-                return f.aread(off, buf[:raw])
+        def make() -> tuple:
+            return (np.empty(maxstored, np.uint8) if maxstored else None,
+                    aligned_empty((maxraw,), np.uint8))
 
-            pipe = Pipeline(lambda i, b: _start_async(read_into, i, b, pages), range(n_pages),
-                            lambda: aligned_empty((ps,), np.uint8), depth, name=name)
-        else:
-            maxstored = max((p[1] for p in pages), default=0)
+        def start(i: int, slot: tuple) -> tuple:
+            req = requests.submit(self._read_page, i, slot, pages[i])
+            return req, req, None, pages[i][2]
 
-            def make() -> tuple:
-                return (np.empty(maxstored, np.uint8), np.empty(ps, np.uint8))
-
-            def start(i: int, slot: tuple) -> tuple:
-                req = requests.submit(self._read_page, i, slot, pages[i])
-                return req, req, None, pages[i][1]
-
-            pipe = Pipeline(start, range(n_pages), make, depth, name=name)
-        rep = _Replay(pipe, self._n, self.path, self._replays)
+        pipe = Pipeline(start, range(n_pages), make, depth, name=name)
+        rep = _Replay(pipe, self._n, self._stream, self.path, self._replays)
         self._replays.add(rep)
         return rep
 
     # ------------------------------------------------------------ ending
     def close(self) -> None:
-        """Flush (writing the index) and close (an open replay is closed first). Idempotent."""
+        """Commit (as ``flush()``) and close (an open replay is closed first). Idempotent.
+
+        After a failure the file is closed without a commit: it keeps its last one.
+        """
         if self._f.closed:
             return
         self._end_replays()
         try:
             if self._mode != "r" and self._error is None:
-                self.flush()
+                self._flush(False, True)
         finally:
             if self._wb is not None:
                 self._wb._drain()
                 self._wb._closed = True
+                if self._error is not None:         # already raised to the caller
+                    for r in self._wb._failed:
+                        r.observed()
             self._bufs, self._mvs = [], []
             self._f.close()
 
@@ -673,16 +993,16 @@ class RecordFile:
                 f"{self._page_size} B, compressor={self.compressor}>")
 
 
-def _start_async(read_into: Any, i: int, buf: np.ndarray, pages: list) -> tuple:
-    return read_into(i, buf), None, None, pages[i][2]
+def _align(n: int) -> int:
+    return -(-n // PAGE_ALIGN) * PAGE_ALIGN
 
 
 class _Replay:
     """The iterator ``RecordFile.replay()`` returns: records in order; a context manager."""
 
-    def __init__(self, pipe: Pipeline, n_records: int, path: str, registry: Any):
+    def __init__(self, pipe: Pipeline, n_records: int, stream: int, path: str, registry: Any):
         self._pipe = pipe
-        self._gen = self._records(pipe, n_records, path)
+        self._gen = iter_records(pipe, n_records, stream, f"record file {path!r}")
         self._registry = registry
 
     @property
@@ -720,60 +1040,3 @@ class _Replay:
             self.close()
         except Exception:
             pass
-
-    @staticmethod
-    def _records(pipe: Pipeline, n_records: int, path: str) -> Iterator[tuple]:
-        page: np.ndarray | None = None
-        mv = memoryview(b"")
-        pos = plen = 0
-
-        def advance() -> None:
-            nonlocal page, mv, pos, plen
-            try:
-                _, page = next(pipe)
-            except StopIteration:
-                raise MetadataError(f"record file {path!r} ends inside a record; the file is "
-                                    f"damaged") from None
-            mv = memoryview(page).toreadonly()      # replayed arrays are read-only views
-            pos, plen = 0, len(page)
-
-        def gather(n: int) -> bytearray:
-            nonlocal pos
-            out = bytearray(n)
-            o = 0
-            while o < n:
-                if pos == plen:
-                    advance()
-                k = min(n - o, plen - pos)
-                out[o:o + k] = mv[pos:pos + k]
-                pos += k
-                o += k
-            return out
-
-        def check(magic: int, hl: int, pl: int) -> int:
-            if magic != _REC_MAGIC or hl % 8 or pl % 8:
-                raise MetadataError(f"record file {path!r}: bad record prefix (magic {magic:#x}, "
-                                    f"header {hl}, payload {pl}); the file is damaged")
-            return _PREFIX.size + hl + pl
-
-        try:
-            for _ in range(n_records):
-                if pos == plen:
-                    advance()
-                if plen - pos >= _PREFIX.size:
-                    magic, na, hl, pl = _PREFIX.unpack_from(mv, pos)
-                    total = check(magic, hl, pl)
-                    if plen - pos >= total:
-                        rec = _parse(mv, pos, na, hl, pl)
-                        pos += total
-                        yield rec
-                        continue
-                    buf = gather(total)
-                else:
-                    pre = gather(_PREFIX.size)
-                    magic, na, hl, pl = _PREFIX.unpack_from(pre, 0)
-                    total = check(magic, hl, pl)
-                    buf = pre + gather(total - _PREFIX.size)
-                yield _parse(memoryview(buf).toreadonly(), 0, na, hl, pl)
-        finally:
-            pipe.close()

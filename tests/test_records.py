@@ -195,7 +195,7 @@ def test_damaged_file_raises_metadata_error(store, damage):
         elif damage == "truncate":
             f.truncate(size - 7)
         else:
-            f.write(100, b"\x00" * 64)                 # inside the compressed first page
+            f.write(4096 + 100, b"\x00" * 64)    # inside the first page (after the header)
     if damage == "page":
         with cio.RecordFile("dmg", "r", backend=store) as log, pytest.raises(MetadataError):
             for _ in log.replay():
@@ -271,7 +271,7 @@ def test_write_eio_surfaces_and_sticks(store, monkeypatch):
             return getattr(os, name)
 
         def pwrite(self, fd, data, offset, *a):
-            if offset == MiB:                       # the second page
+            if offset == 4096 + MiB:                # the second page (after the header)
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return os.pwrite(fd, data, offset, *a)
 

@@ -1,0 +1,468 @@
+"""``chemio check PATH``: verify a persistent DiskArray or a RecordFile without trusting it.
+
+* A **DiskArray** is named by its data file (``x.dra``) or its metadata (``x.dra.json``):
+  the metadata must be valid (``chemio_py.meta``), the data file present, a regular file,
+  and exactly as large as the raw grid layout of its shape, dtype and chunks. ``--read``
+  also reads every byte and counts the chunks that are all zero (fine: unwritten
+  elements read as zero).
+* A **RecordFile**: its commit slots, the index of the commit it opens at (trailer, CRC,
+  page table inside the file), every page (readable, decompresses, CRC), every record
+  (parses, the count matches the index).
+
+Nothing is trusted: files are opened without following links and without blocking (a
+FIFO or a link to ``/dev/zero`` is reported, not read), and every size read from a file is
+checked against the file before anything is allocated. Exit status: 0 when everything
+checked is fine, 1 when something is wrong (each problem is named), 2 when ``PATH`` is
+missing or is not a chemio file. ``--json`` prints one JSON object instead of text.
+
+Run as ``chemio check PATH`` (``add_parser`` + ``cmd_check`` in ``cli.py``) or
+``python -m chemio_py.check PATH``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import stat as _stat
+import sys
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import meta as _meta
+from .errors import ChemIOError
+from .ownfiles import NotARegularFile, open_regular, read_small
+
+RAW_GRID_BACKENDS = ("local", "shm", "auto", "mpiio")
+MAX_PROBLEMS = 50                 # listed one by one; the rest are counted
+MAX_ZERO_SCAN_CHUNKS = 1 << 20    # --read counts all-zero chunks up to this many chunks
+BLOCK = 4 << 20
+DESCRIPTION = ("verify a persistent DiskArray (data file or .json metadata) or a RecordFile "
+               "without trusting it; exit status 0: fine, 1: something is wrong (each "
+               "problem named), 2: the path is missing or not a chemio file")
+_EXPECTED = (ChemIOError, OSError, ValueError, MemoryError, OverflowError)
+
+
+@dataclass
+class Report:
+    """What ``check`` looked at: ``checked`` (fine), ``problems`` (wrong), ``notes``."""
+    path: str
+    kind: str | None = None
+    checked: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+    usage_error: str | None = None
+    _more: int = 0
+
+    def ok(self, what: str) -> None:
+        self.checked.append(what)
+
+    def bad(self, what: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(what)
+        else:
+            self._more += 1
+
+    @property
+    def status(self) -> int:
+        if self.usage_error is not None:
+            return 2
+        return 1 if self.problems or self._more else 0
+
+    def to_dict(self) -> dict:
+        probs = list(self.problems)
+        if self._more:
+            probs.append(f"... and {self._more} more problems")
+        return {"path": self.path, "kind": self.kind, "status": self.status,
+                "ok": self.status == 0, "checked": self.checked, "problems": probs,
+                "notes": self.notes, "facts": self.facts, "usage_error": self.usage_error}
+
+    def text(self) -> str:
+        d = self.to_dict()
+        lines = [f"chemio check {self.path}"]
+        if self.usage_error is not None:
+            lines.append(f"  error: {self.usage_error}")
+            return "\n".join(lines)
+        lines.append(f"  kind: {self.kind}")
+        for k, v in self.facts.items():
+            lines.append(f"  {k}: {v}")
+        lines += [f"  ok       {c}" for c in self.checked]
+        lines += [f"  note     {n}" for n in self.notes]
+        lines += [f"  PROBLEM  {p}" for p in d["problems"]]
+        n = len(self.problems) + self._more
+        lines.append("result: OK" if n == 0 else
+                     f"result: DAMAGED ({n} problem{'s' if n != 1 else ''})")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- reading without trust
+
+def _describe_mode(mode: int) -> str:
+    for test, name in ((_stat.S_ISFIFO, "a FIFO"), (_stat.S_ISCHR, "a character device"),
+                       (_stat.S_ISBLK, "a block device"), (_stat.S_ISSOCK, "a socket"),
+                       (_stat.S_ISDIR, "a directory"), (_stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _pread_exact(fd: int, off: int, n: int, path: str) -> bytes:
+    """``n`` bytes at ``off`` (the caller has checked the range against the file size)."""
+    out = bytearray()
+    while len(out) < n:
+        b = os.pread(fd, min(n - len(out), BLOCK), off + len(out))
+        if not b:
+            raise ChemIOError(f"{path!r}: short read at offset {off + len(out)} (the file "
+                              f"shrank while being checked?)")
+        out += b
+    return bytes(out)
+
+
+def _pread_into(fd: int, off: int, out: np.ndarray, path: str) -> None:
+    mv = memoryview(out).cast("B")
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:done + BLOCK]], off + done)
+        if n <= 0:
+            raise ChemIOError(f"{path!r}: short read at offset {off + done}")
+        done += n
+
+
+# ---------------------------------------------------------------- DiskArray
+
+def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool) -> None:
+    rep.kind = "DiskArray"
+    try:
+        text = read_small(mpath, _meta.MAX_BYTES)
+    except FileNotFoundError:
+        rep.bad(f"metadata {mpath!r} is missing: the array cannot be opened (an interrupted "
+                f"create leaves data without metadata; delete the data file and recreate the "
+                f"array)")
+        return
+    except NotARegularFile as e:
+        rep.bad(f"metadata {mpath!r} {e.strerror}; it was not written by chemio")
+        return
+    except ValueError as e:
+        rep.bad(f"metadata: {e}")
+        return
+    except OSError as e:
+        rep.bad(f"metadata {mpath!r} cannot be read: {e}")
+        return
+    try:
+        m = _meta.loads(text, repr(mpath))
+    except _EXPECTED as e:
+        rep.bad(str(e))
+        return
+    rep.ok(f"metadata {mpath!r}: valid (format {m.format}, shape {list(m.shape)}, dtype "
+           f"{m.dtype}, chunks {list(m.chunks)}, backend {m.backend!r})")
+    rep.facts.update({"shape": list(m.shape), "dtype": str(m.dtype), "chunks": list(m.chunks),
+                      "backend": m.backend, "nbytes": m.nbytes})
+    if dpath is None:
+        guess = mpath[:-len(".json")]
+        dpath = guess if os.path.lexists(guess) else os.path.join(os.path.dirname(mpath),
+                                                                   m.data)
+    elif os.path.basename(dpath) != m.data:
+        rep.notes.append(f"the metadata names its data {m.data!r}, the file checked is "
+                         f"{os.path.basename(dpath)!r} (renamed?)")
+    rep.facts["data"] = dpath
+    if m.backend not in RAW_GRID_BACKENDS:
+        rep.notes.append(f"backend {m.backend!r} keeps its own format: only the metadata was "
+                         f"checked")
+        return
+    try:
+        fd = open_regular(dpath)
+    except FileNotFoundError:
+        rep.bad(f"data file {dpath!r} is missing: restore it or delete the metadata")
+        return
+    except NotARegularFile as e:
+        rep.bad(f"data file {dpath!r} {e.strerror}")
+        return
+    except OSError as e:
+        rep.bad(f"data file {dpath!r} cannot be opened: {e}")
+        return
+    try:
+        size = os.fstat(fd).st_size
+        rep.facts["file_bytes"] = size
+        if size != m.nbytes:
+            how = "truncated" if size < m.nbytes else "longer than the array"
+            rep.bad(f"data file {dpath!r} has {size} bytes but the layout of shape "
+                    f"{list(m.shape)} {m.dtype} needs exactly {m.nbytes} ({how})")
+            return
+        rep.ok(f"data file {dpath!r}: a regular file of exactly {size} bytes (the raw grid "
+               f"layout)")
+        if read_all:
+            _read_chunks(rep, fd, dpath, m)
+    finally:
+        os.close(fd)
+
+
+def _read_chunks(rep: Report, fd: int, path: str, m: Any) -> None:
+    from .layout import Layout
+    lay = Layout(m.shape, m.chunks, m.dtype.itemsize)
+    nchunks = math.prod(lay.grid)
+    buf = np.empty(min(BLOCK, max(lay.nbytes, 1)), np.uint8)
+    if nchunks == 0 or nchunks > MAX_ZERO_SCAN_CHUNKS:
+        runs = [(0, lay.nbytes)]            # one run: readable, zero chunks not counted
+    else:
+        runs = []
+        off = 0
+        for index in np.ndindex(*lay.grid):
+            n = math.prod(lay.chunk_extent(index)) * lay.itemsize
+            runs.append((off, n))
+            off += n
+    zero = 0
+    for off, n in runs:
+        allzero = True
+        done = 0
+        while done < n:
+            k = min(n - done, len(buf))
+            try:
+                _pread_into(fd, off + done, buf[:k], path)
+            except _EXPECTED as e:
+                rep.bad(f"data file {path!r}: read of {k} bytes at offset {off + done} "
+                        f"failed: {e}")
+                return
+            if allzero and buf[:k].any():
+                allzero = False
+            done += k
+        zero += allzero
+    rep.ok(f"data: all {lay.nbytes} bytes read")
+    if len(runs) > 1 or nchunks == 1:
+        rep.facts["chunks_all_zero"] = f"{zero} of {nchunks}"
+        if zero:
+            rep.notes.append(f"{zero} of {nchunks} chunks are all zero (never written, or "
+                             f"written with zeros): fine, unwritten elements read as zero")
+
+
+# ---------------------------------------------------------------- RecordFile
+
+def check_recordfile(rep: Report, path: str, fd: int, size: int) -> None:
+    from . import records as R
+    rep.kind = "RecordFile"
+    where = f"record file {path!r}"
+    rep.facts["file_bytes"] = size
+
+    def read_at(off: int, n: int) -> bytes:
+        if off < 0 or n < 0 or off + n > size:
+            raise ChemIOError(f"{where}: asked to read {n} bytes at {off}, outside the file")
+        return _pread_exact(fd, off, n, path)
+
+    head = read_at(0, min(size, 8))
+    if head == R._HMAGIC and size >= R._HEADER:
+        rep.facts["format"] = 2
+        slots = []
+        for j, so in enumerate(R._SLOT_OFFSETS):
+            raw = read_at(so, R._SLOT.size)
+            magic, gen, tpos, flags, crc = R._SLOT.unpack(raw)
+            if magic == R._SMAGIC and zlib.crc32(raw[:-4]) == crc:
+                slots.append(f"slot {j}: generation {gen}{' durable' if flags & 1 else ''}, "
+                             f"index trailer at {tpos}")
+            elif raw == bytes(R._SLOT.size):
+                slots.append(f"slot {j}: empty")
+            else:
+                slots.append(f"slot {j}: INVALID (torn or damaged)")
+        rep.facts["commit_slots"] = slots
+    elif head != R._HMAGIC:
+        rep.facts["format"] = 1
+        rep.notes.append("format 1 (written by an earlier chemio_py): pages carry no "
+                         "checksums, so damage inside a page may go unnoticed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            idx = R.read_index(read_at, size, where, fix="the file is damaged")
+        except _EXPECTED as e:
+            rep.bad(str(e))
+            return
+    for n in idx.notes:
+        rep.notes.append(n)
+    if idx.recovered:
+        rep.bad(idx.recovered)
+    rep.facts.update({"page_size": idx.page_size,
+                      "compressor": None if idx.codec is None else idx.codec.codec_id,
+                      "pages": len(idx.pages), "records": idx.records,
+                      "stream_bytes": idx.stream})
+    if idx.version == 2:
+        rep.facts["generation"] = idx.generation
+        rep.facts["durable"] = idx.durable
+    rep.ok(f"index at {idx.ioff}: trailer, CRC, {len(idx.pages)} page entries inside the "
+           f"file and not overlapping, {idx.records} records in {idx.stream} stream bytes")
+    if size > idx.end:
+        rep.notes.append(f"{size - idx.end} bytes follow the committed index (appended after "
+                         f"the last commit and never committed: an interrupted run); they "
+                         f"are ignored and reclaimed by the next commit")
+    _check_pages_and_records(rep, idx, read_at, fd, path, where)
+
+
+def _check_pages_and_records(rep: Report, idx: Any, read_at: Any, fd: int, path: str,
+                             where: str) -> None:
+    from . import records as R
+    pages = idx.pages
+    maxraw = max((p[2] for p in pages), default=0)
+    maxstored = max((p[1] for p in pages if p[3]), default=0)
+    comp = np.empty(maxstored, np.uint8) if maxstored else None
+    page = np.empty(maxraw, np.uint8)
+    bad_pages: list[int] = []
+    state = {"next": 0}
+
+    def load(i: int) -> np.ndarray:
+        off, stored, raw, flag, _ = pages[i]
+        if flag:
+            _pread_into(fd, off, comp[:stored], path)
+        else:
+            _pread_into(fd, off, page[:raw], path)
+        return R.decode_page(idx.codec, pages[i], comp, page, where, i)
+
+    def feed():
+        for i in range(len(pages)):
+            state["next"] = i + 1
+            try:
+                yield i, load(i)
+            except _EXPECTED as e:
+                bad_pages.append(i)
+                rep.bad(f"page {i}: {e}")
+                raise _PageFailed() from None
+
+    n = 0
+    records_ok = False
+    try:
+        for _ in R.iter_records(feed(), idx.records, idx.stream, where):
+            n += 1
+        records_ok = True
+    except _PageFailed:
+        pass
+    except _EXPECTED as e:
+        rep.bad(f"records: {e} (after {n} good records)")
+    for i in range(state["next"], len(pages)):       # the pages the records did not reach
+        try:
+            load(i)
+        except _EXPECTED as e:
+            bad_pages.append(i)
+            rep.bad(f"page {i}: {e}")
+    if not bad_pages:
+        what = "read, decompressed and" if idx.codec is not None else "read and"
+        crc = " checked against their CRC" if idx.version == 2 else " (no checksums in format 1)"
+        rep.ok(f"pages: all {len(pages)} {what}{crc}")
+    if records_ok:
+        rep.ok(f"records: all {n} parse, as many as the index says")
+    elif bad_pages:
+        rep.notes.append(f"records were parsed up to the first damaged page ({n} good)")
+
+
+class _PageFailed(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- dispatch
+
+def check_path(path: str, read_all: bool = False) -> Report:
+    """Check ``path`` (see the module docstring); returns the report."""
+    from . import records as R
+    rep = Report(path=path)
+    ap = os.path.abspath(os.path.expanduser(path))
+    try:
+        st = os.lstat(ap)
+    except FileNotFoundError:
+        if os.path.lexists(ap + ".json"):
+            check_diskarray(rep, ap + ".json", ap, read_all)
+        else:
+            rep.usage_error = f"{path!r} does not exist"
+        return rep
+    except OSError as e:
+        rep.usage_error = f"{path!r} cannot be examined: {e}"
+        return rep
+    if not _stat.S_ISREG(st.st_mode):
+        what = _describe_mode(st.st_mode)
+        hint = ""
+        if _stat.S_ISLNK(st.st_mode):
+            try:
+                what += f" (to {os.readlink(ap)!r})"
+            except OSError:
+                pass
+            hint = "; chemio check does not follow links: pass the file itself"
+        rep.usage_error = f"{path!r} is {what}, not a chemio file{hint}"
+        return rep
+    if ap.endswith(".json"):
+        check_diskarray(rep, ap, None, read_all)
+        return rep
+    try:
+        fd = open_regular(ap)
+    except (NotARegularFile, OSError) as e:
+        rep.usage_error = f"{path!r} cannot be opened: {e}"
+        return rep
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if head == R._HMAGIC:
+            check_recordfile(rep, ap, fd, size)
+        elif os.path.lexists(ap + ".json"):
+            check_diskarray(rep, ap + ".json", ap, read_all)
+        elif _looks_like_records(fd, size):
+            check_recordfile(rep, ap, fd, size)
+        elif ap.endswith(".dra"):
+            check_diskarray(rep, ap + ".json", ap, read_all)
+        else:
+            rep.usage_error = (f"{path!r} is not a chemio file (no RecordFile header or trailer, "
+                               f"no DiskArray metadata {os.path.basename(ap) + '.json'!r} beside "
+                               f"it)")
+    finally:
+        os.close(fd)
+    return rep
+
+
+def _looks_like_records(fd: int, size: int) -> bool:
+    """A format 1 record file (trailer at the end), or a format 2 file whose header magic
+    is damaged but whose commit slots are recognisable."""
+    from . import records as R
+    if size >= R._TRAILER.size and os.pread(fd, 8, size - R._TRAILER.size) == R._MAGIC:
+        return True
+    if size >= R._HEADER:
+        return any(os.pread(fd, 8, so) == R._SMAGIC for so in R._SLOT_OFFSETS)
+    return False
+
+
+# ---------------------------------------------------------------- command line
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``check`` sub-command to the ``chemio`` parser's subparsers."""
+    p = subparsers.add_parser("check", help="verify a persistent DiskArray or a RecordFile",
+                              description=DESCRIPTION)
+    _arguments(p)
+    return p
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a DiskArray data file (.dra), its metadata (.dra.json), or "
+                   "a RecordFile")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--read", action="store_true", help="DiskArray: also read every byte "
+                   "and count the all-zero chunks")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Run the check of ``args.path``; print the report; return the exit status."""
+    rep = check_path(args.path, read_all=getattr(args, "read", False))
+    if getattr(args, "json", False):
+        print(json.dumps(rep.to_dict(), default=str))
+    else:
+        out = sys.stderr if rep.usage_error is not None else sys.stdout
+        print(rep.text(), file=out)
+    return rep.status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="chemio check", description=DESCRIPTION)
+    _arguments(p)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return cmd_check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
