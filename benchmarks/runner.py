@@ -2,6 +2,8 @@
 
 Every ``bench_<name>.py`` next to this file is a benchmark: a module with
 ``run(quick: bool, workdir: str) -> list[dict]`` returning result rows (see ``common.row``).
+``--seconds``, ``--procs`` and ``--seed`` go to the benchmarks whose ``run`` takes them
+(``bench_stress``).
 The runner gives each benchmark its own empty directory inside one work directory, which it
 removes at the end, and writes ``results.json`` (rows + machine description) and
 ``results.md`` (a table, with a pass/fail mark where the row has a target) into ``--out``.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -144,7 +147,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--dir", default=HERE, metavar="DIR",
                    help="where the bench_*.py files are (default: next to the runner)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="run time per process count (benchmarks that take it: stress)")
+    p.add_argument("--procs", default=None, metavar="P[,P...]",
+                   help="process counts, e.g. 4 or 1,2,3,4 (benchmarks that take it: stress)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed, to replay a run (benchmarks that take it: stress)")
     return p
+
+
+def _options_for(fn: Any, args: argparse.Namespace) -> dict:
+    """The optional ``--seconds/--procs/--seed`` values that ``fn`` accepts."""
+    params = inspect.signature(fn).parameters
+    return {k: getattr(args, k) for k in ("seconds", "procs", "seed")
+            if getattr(args, k) is not None and k in params}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 mod = _load(name, path)
                 rows = check_rows(name, mod.run(quick=args.quick,
-                                                workdir=common.fresh_dir(work, name)))
+                                                workdir=common.fresh_dir(work, name),
+                                                **_options_for(mod.run, args)))
                 entry["rows"] = rows
             except Exception:          # one broken benchmark must not hide the others
                 entry["error"] = traceback.format_exc()
