@@ -28,7 +28,7 @@ from .comm import comm  # noqa: E402
 from .config import configure, settings  # noqa: E402
 from .errors import (  # noqa: E402
     BackendUnavailableError, ChemIOError, EndOfFileError, LimitExceededError, MetadataError,
-    ModeError, OutOfSpaceError, SectionError,
+    ModeError, OutOfSpaceError, SectionError, SupersededError, UnobservedIOError,
 )
 from .diskarray import DiskArray, block_section  # noqa: E402
 from .exclusive import ExclusiveFile  # noqa: E402
@@ -56,5 +56,6 @@ __all__ = [
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
     "comm", "stat", "FsInfo", "cleanup", "report", "aligned_empty", "errors",
     "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",
-    "LimitExceededError", "MetadataError", "BackendUnavailableError", "__version__",
+    "LimitExceededError", "MetadataError", "BackendUnavailableError", "SupersededError",
+    "UnobservedIOError", "__version__",
 ]

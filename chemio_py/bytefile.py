@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import handles, requests, scratch, stats
-from .errors import ArgumentError, ChemIOError, EndOfFileError, ModeError
+from .errors import ArgumentError, ChemIOError, EndOfFileError, ModeError, SupersededError
 
 MODES = ("r", "r+", "w+", "x+")
 
@@ -233,7 +233,7 @@ class ByteFile:
     def _open_store(self) -> Any:
         if self._store is None:
             if self._superseded is not None:
-                raise handles.SupersededError(
+                raise SupersededError(
                     f"{type(self).__name__} {self._path!r} is closed: {self._superseded}")
             raise ChemIOError(f"I/O on a closed {type(self).__name__}; open it again")
         return self._store

@@ -31,7 +31,7 @@ import chemio_py.backends as _backends
 from . import config, handles, layout as _layout, meta as _meta, requests, scratch, stats
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, BackendUnavailableError, ChemIOError, MetadataError,
-                     ModeError, NotSharedError, SectionError)
+                     ModeError, NotSharedError, SectionError, SupersededError)
 
 SUFFIX = ".dra"
 META_SUFFIX = ".json"
@@ -473,7 +473,7 @@ class DiskArray:
     def _open_store(self) -> Any:
         if self._store is None:
             if self._superseded is not None:
-                raise handles.SupersededError(f"DiskArray {self.name!r} is closed: "
+                raise SupersededError(f"DiskArray {self.name!r} is closed: "
                                               f"{self._superseded}")
             raise ChemIOError(f"DiskArray {self.name!r} is closed; open it again with "
                               f"DiskArray.open({self.path!r})")

@@ -91,6 +91,11 @@ class UnobservedIOError(StorageError):
             "filled; wait() on each request to handle its error where it happens")
 
 
+class SupersededError(ChemIOError):
+    """The handle was closed because the same file was created again in this process
+    (``DiskArray.create`` or ``ExclusiveFile(..., "w+")`` of a name still open)."""
+
+
 class EndOfFileError(ChemIOError, EOFError):
     """A read reached past the end of a file."""
 
@@ -166,6 +171,7 @@ class CollectiveError(ChemIOError):
 
 __all__ = [
     "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "UnobservedIOError",
+    "SupersededError",
     "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
     "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",

@@ -14,11 +14,7 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
-from .errors import ChemIOError
-
-
-class SupersededError(ChemIOError):
-    """The handle was closed because the same name was created again in this process."""
+from .errors import SupersededError  # noqa: F401 - raised by the handles' owners
 
 
 class Supersedable(Protocol):

@@ -11,7 +11,7 @@ import pytest
 
 import chemio_py as cio
 from chemio_py.errors import (ArgumentError, MetadataError, SectionError, StorageError)
-from chemio_py.handles import SupersededError
+from chemio_py.errors import SupersededError
 
 
 def _run(code: str, *args: str, timeout: float = 120, env: dict | None = None):
