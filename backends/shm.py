@@ -448,7 +448,7 @@ def chemio_usage(shm_dir: str) -> int:
             continue
         for dirpath, _dirs, files in os.walk(e.path):
             for f in files:
-                if f.startswith(scratch.LEASE_PREFIX):
+                if f.startswith(scratch.LEASE_PREFIX) or f == scratch.MARKER_NAME:
                     continue
                 try:
                     total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
