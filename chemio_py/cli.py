@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Sequence
 
-from . import config, scratch
+from . import check, config, scratch
 
 
 def _human(n: int | None) -> str:
@@ -70,21 +70,41 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
+    """Remove job directories that carry chemio's marker and whose every lease is provably
+    dead; list everything else with the reason it stays. Exit 1 only when a removal failed."""
     roots = args.root or scratch.all_roots()
     infos = scratch.scan_job_dirs(roots)
-    stale = [i for i in infos if not i.alive]
+    labels = {"in use": "in use", "keep": "keeping", "vanished": "vanished",
+              "skipped": "skipped"}
+    stale = kept = 0
+    failed: list[str] = []
     for i in infos:
-        verdict = "in use" if i.alive else ("would remove" if args.dry_run else "removing")
-        print(f"{verdict:12s} {i.path}  ({i.reason})")
-        if not i.alive and not args.dry_run:
-            try:
-                scratch.remove_job_dir(i.path, roots)
-            except OSError as e:
-                print(f"  could not remove {i.path}: {e}", file=sys.stderr)
+        shown = scratch.printable(i.path)
+        if i.status != "stale":
+            kept += i.status in ("keep", "skipped")
+            print(f"{labels.get(i.status, i.status):12s} {shown}  ({i.reason})")
+            continue
+        stale += 1
+        print(f"{'would remove' if args.dry_run else 'removing':12s} {shown}  ({i.reason})")
+        if args.dry_run:
+            continue
+        try:
+            scratch.remove_job_dir(i.path, roots)
+        except scratch.RefusedRemoval as e:       # it changed since the scan: keep it
+            print(f"  kept after all: {e}")
+        except OSError as e:
+            failed.append(i.path)
+            print(f"  FAILED: could not remove {shown}: {e}")
     if not infos:
         print(f"no chemio job directories under {', '.join(roots)}")
-    print(f"{len(stale)} stale of {len(infos)} job directories"
-          f"{' (dry run: nothing removed)' if args.dry_run else ''}")
+    print(f"{stale} stale of {len(infos)} job directories"
+          f"{' (dry run: nothing removed)' if args.dry_run else ''}"
+          f"{f'; {kept} kept (see the reasons above)' if kept else ''}")
+    if failed:
+        print(f"chemio clean: could not remove {len(failed)} stale job director"
+              f"{'y' if len(failed) == 1 else 'ies'}: {', '.join(map(scratch.printable, failed))} "
+              f"(see above); fix the cause and run 'chemio clean' again", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -196,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--eaf", action="store_true", help="run the short EAF pass instead "
                    "(no PySCF needed)")
     d.add_argument("--records", type=int, default=64, help="1 MiB records of the --eaf pass")
+    check.add_parser(sub)
     b = sub.add_parser("bench", help="run the benchmark suite (options go to the runner)",
                        add_help=False)
     b.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")
@@ -210,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    handler = {"info": cmd_info, "config": cmd_config, "clean": cmd_clean, "demo": cmd_demo}[args.cmd]
+    handler = {"info": cmd_info, "config": cmd_config, "clean": cmd_clean, "demo": cmd_demo,
+               "check": check.cmd_check}[args.cmd]
     try:
         return handler(args)
     except Exception as e:
