@@ -16,7 +16,7 @@ Everything else is independent. See DESIGN §3 for the contract.
 """
 from __future__ import annotations
 
-import collections
+import functools
 import math
 import operator
 import os
@@ -562,22 +562,14 @@ class DiskArray:
         subs = self._layout.split(region, task, getattr(store, "byte_addressable", False))
         return [(sub, arr[_layout.relative(region, sub)]) for sub in subs]
 
-    def _task(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
+    def _task(self, store: Any, write: bool, piece: tuple) -> None:
+        region, arr = piece
         t0 = time.perf_counter()
         if write:
             store.write(region, arr)
         else:
             store.read(region, arr)
         self._stats.record("write" if write else "read", arr.nbytes, t0, time.perf_counter())
-
-    def _drain(self, store: Any, write: bool, queue: collections.deque) -> None:
-        """Move tasks from the front of ``queue`` until it is empty (one stream)."""
-        while True:
-            try:
-                sub, a = queue.popleft()
-            except IndexError:
-                return
-            self._task(store, write, sub, a)
 
     def _streams(self, store: Any, write: bool, ntasks: int) -> int:
         """How many tasks of one section move at once: the I/O threads, for writes at most
@@ -587,33 +579,35 @@ class DiskArray:
             n = min(n, getattr(store, "write_streams", None) or n)
         return max(1, min(ntasks, n))
 
+    def _taskrun(self, store: Any, write: bool, region: tuple, arr: np.ndarray
+                 ) -> tuple[requests.TaskRun, int]:
+        tasks = self._tasks(store, region, arr)
+        run = requests.TaskRun(functools.partial(self._task, store, write), tasks, self._stats)
+        return run, self._streams(store, write, len(tasks))
+
     def _start(self, store: Any, write: bool, region: tuple, arr: np.ndarray,
                value: Any, finish: Any = None) -> requests.Request:
-        tasks = collections.deque(self._tasks(store, region, arr))
-        reqs = [requests.submit(self._drain, store, write, tasks)
-                for _ in range(self._streams(store, write, len(tasks)))]
-        return self._pending.add(requests.gather(reqs, value, finish, self._stats))
+        run, streams = self._taskrun(store, write, region, arr)
+        done = requests.gather([run.start(streams)], value, finish, self._stats)
+        return self._pending.add(done)
 
     def _run(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
+        """Move a section and return when it is done: the pool threads move it, this
+        thread waits (an interrupt stops the tasks not started and waits for the others)."""
         t0 = time.perf_counter()
         try:
             cached = None if write else getattr(store, "read_cached", None)
             if cached is not None and arr.size and cached(region, arr):
                 self._stats.record("read", arr.nbytes, t0, time.perf_counter())
                 return                                   # all in the page cache: one copy
-            tasks = collections.deque(self._tasks(store, region, arr))
-            if not tasks:
-                return
-            reqs = [requests.submit(self._drain, store, write, tasks)
-                    for _ in range(self._streams(store, write, len(tasks)) - 1)]
+            run, streams = self._taskrun(store, write, region, arr)
+            req = run.start(streams)
             try:
-                self._drain(store, write, tasks)         # the caller is one of the streams
+                req.wait()
             except BaseException:
-                tasks.clear()                            # the others stop after their task
+                if not req.done():                       # interrupted, not failed:
+                    run.stop()                           # no I/O left in flight on our buffers
                 raise
-            finally:
-                requests.settle(reqs)                    # no I/O left in flight on our buffers
-            requests.waitall(reqs)
         finally:
             self._stats.waited(time.perf_counter() - t0)
 

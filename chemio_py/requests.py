@@ -153,6 +153,103 @@ def settle(reqs: Iterable[Request]) -> None:
         raise interrupt
 
 
+class TaskRun:
+    """Tasks ``fn(task)`` of one operation, drained by ``streams`` pool threads at once.
+
+    ``request`` completes when every task has run (with the first error, if one failed:
+    the remaining tasks are then dropped). Only pool threads run tasks, so an interrupt of
+    the caller never lands inside a backend call; ``stop()`` drops the tasks not started
+    and waits, whatever happens meanwhile, until none is running.
+    """
+
+    __slots__ = ("_fn", "_tasks", "_cv", "_active", "_error", "request")
+
+    def __init__(self, fn: Callable[[Any], Any], tasks: Iterable[Any], stats: Any = None):
+        import collections
+        self._fn = fn
+        self._tasks = collections.deque(tasks)
+        self._cv = threading.Lock()
+        self._active = 0
+        self._error: BaseException | None = None
+        self.request = Request(stats)
+        self.request._state = _RUNNING          # under way: it cannot be cancelled
+
+    def start(self, streams: int) -> Request:
+        """Put ``streams`` drainers on the pool (in sync mode: run everything now)."""
+        if not self._tasks:
+            self.request._finish(None)
+            return self.request
+        if sync_mode():
+            self._drain()
+            return self.request
+        try:
+            put = _get_pool().queue.put
+            for _ in range(max(1, streams)):
+                put((_NO_REQUEST, self._drain, ()))
+        except BaseException:
+            self.stop()
+            raise
+        return self.request
+
+    def _drain(self) -> None:
+        fn, tasks, cv = self._fn, self._tasks, self._cv
+        while True:
+            with cv:
+                self._active += 1               # before the pop: stop() sees it running
+                try:
+                    task = tasks.popleft()
+                except IndexError:
+                    self._active -= 1
+                    return
+            err = None
+            try:
+                fn(task)
+            except BaseException as e:  # noqa: BLE001 - delivered through the request
+                err = e
+            with cv:
+                self._active -= 1
+                if err is not None:
+                    tasks.clear()
+                    if self._error is None:
+                        self._error = err
+                last = self._active == 0 and not tasks
+            if last:
+                if self.request._state < _DONE:
+                    self.request._finish(None, self._error)
+                return
+
+    def stop(self) -> None:
+        """Drop the tasks not started; return once none is running, whatever happens
+        meanwhile (an interrupt is re-raised after). The caller takes no lock here: an
+        interrupt inside a lock protocol could leave it broken for the pool threads."""
+        interrupt = None
+        delay = 0.0001
+        while True:
+            try:
+                self._tasks.clear()
+                if not self._active:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.005)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                if interrupt is None:
+                    interrupt = e
+        if interrupt is not None:
+            raise interrupt
+
+
+class _NoRequest:
+    """Stands for the request of a pool item whose function completes its own."""
+
+    __slots__ = ()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        fn(*args)
+
+
+_NO_REQUEST = _NoRequest()
+
+
 class CancelledError(Exception):
     """The request was cancelled before it ran."""
 
