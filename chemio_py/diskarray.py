@@ -579,28 +579,33 @@ class DiskArray:
             n = min(n, getattr(store, "write_streams", None) or n)
         return max(1, min(ntasks, n))
 
-    def _taskrun(self, store: Any, write: bool, region: tuple, arr: np.ndarray
-                 ) -> tuple[requests.TaskRun, int]:
-        tasks = self._tasks(store, region, arr)
+    def _taskrun(self, store: Any, write: bool, tasks: list) -> tuple[requests.TaskRun, int]:
         run = requests.TaskRun(functools.partial(self._task, store, write), tasks, self._stats)
         return run, self._streams(store, write, len(tasks))
 
     def _start(self, store: Any, write: bool, region: tuple, arr: np.ndarray,
                value: Any, finish: Any = None) -> requests.Request:
-        run, streams = self._taskrun(store, write, region, arr)
+        run, streams = self._taskrun(store, write, self._tasks(store, region, arr))
         done = requests.gather([run.start(streams)], value, finish, self._stats)
         return self._pending.add(done)
 
     def _run(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
-        """Move a section and return when it is done: the pool threads move it, this
-        thread waits (an interrupt stops the tasks not started and waits for the others)."""
+        """Move a section and return when it is done. One task runs in this thread (a
+        pool hand-off costs more than a small section); several run on the pool while
+        this thread waits, so an interrupt stops the tasks not started and waits for the
+        others instead of leaving them writing into the caller's buffer."""
         t0 = time.perf_counter()
         try:
             cached = None if write else getattr(store, "read_cached", None)
             if cached is not None and arr.size and cached(region, arr):
                 self._stats.record("read", arr.nbytes, t0, time.perf_counter())
                 return                                   # all in the page cache: one copy
-            run, streams = self._taskrun(store, write, region, arr)
+            tasks = self._tasks(store, region, arr)
+            if len(tasks) <= 1:
+                for piece in tasks:
+                    self._task(store, write, piece)
+                return
+            run, streams = self._taskrun(store, write, tasks)
             req = run.start(streams)
             try:
                 req.wait()
