@@ -35,7 +35,7 @@ import numpy as np
 
 from . import meta as _meta
 from .errors import ChemIOError
-from .ownfiles import NotARegularFile, open_regular, read_small
+from .ownfiles import NotARegularFile, kind, open_regular, read_small
 
 RAW_GRID_BACKENDS = ("local", "shm", "auto", "mpiio")
 MAX_PROBLEMS = 50                 # listed one by one; the rest are counted
@@ -101,15 +101,6 @@ class Report:
 
 
 # ---------------------------------------------------------------- reading without trust
-
-def _describe_mode(mode: int) -> str:
-    for test, name in ((_stat.S_ISFIFO, "a FIFO"), (_stat.S_ISCHR, "a character device"),
-                       (_stat.S_ISBLK, "a block device"), (_stat.S_ISSOCK, "a socket"),
-                       (_stat.S_ISDIR, "a directory"), (_stat.S_ISLNK, "a symbolic link")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
 
 def _pread_exact(fd: int, off: int, n: int, path: str) -> bytes:
     """``n`` bytes at ``off`` (the caller has checked the range against the file size)."""
@@ -376,7 +367,7 @@ def check_path(path: str, read_all: bool = False) -> Report:
         rep.usage_error = f"{path!r} cannot be examined: {e}"
         return rep
     if not _stat.S_ISREG(st.st_mode):
-        what = _describe_mode(st.st_mode)
+        what = kind(st.st_mode)
         hint = ""
         if _stat.S_ISLNK(st.st_mode):
             try:

@@ -356,20 +356,14 @@ def _load(path: str, how: str, target: str) -> tuple[tuple, dict]:
         _check_trust(path, how, st)
         if st.st_size > MAX_CONFIG_BYTES:
             raise too_big
-        chunks, left = [], MAX_CONFIG_BYTES + 1
-        while left > 0:
-            b = os.read(fd, left)
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
+        try:
+            raw = ownfiles.read_bounded(fd, MAX_CONFIG_BYTES)
+        except ValueError:
+            raise too_big from None
     except OSError as e:
         raise _refuse(path, how, f"cannot be read: {e.strerror}") from None
     finally:
         os.close(fd)
-    raw = b"".join(chunks)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise too_big
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:

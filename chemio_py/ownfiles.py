@@ -18,7 +18,8 @@ class NotARegularFile(OSError):
     """The path exists but is a FIFO, device, socket, directory or symbolic link."""
 
 
-def _kind(mode: int) -> str:
+def kind(mode: int) -> str:
+    """What a non-regular file is, in words ("a FIFO", "a directory"...)."""
     for test, name in ((_stat.S_ISFIFO, "a FIFO"), (_stat.S_ISCHR, "a character device"),
                        (_stat.S_ISBLK, "a block device"), (_stat.S_ISSOCK, "a socket"),
                        (_stat.S_ISDIR, "a directory"), (_stat.S_ISLNK, "a symbolic link")):
@@ -46,13 +47,29 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
-            raise NotARegularFile(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file",
+            raise NotARegularFile(errno.EINVAL, f"is {kind(st.st_mode)}, not a regular file",
                                   path)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def read_bounded(fd: int, limit: int, what: str = "the file") -> bytes:
+    """Read ``fd`` to its end; ``ValueError`` when it holds more than ``limit`` bytes."""
+    chunks, left = [], limit + 1
+    while left > 0:
+        b = os.read(fd, min(left, 1 << 20))
+        if not b:
+            break
+        chunks.append(b)
+        left -= len(b)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise ValueError(f"{what} holds more than {limit} bytes; it is not a file chemio "
+                         f"wrote")
+    return data
 
 
 def read_small(path: str, limit: int) -> bytes:
@@ -63,17 +80,6 @@ def read_small(path: str, limit: int) -> bytes:
     """
     fd = open_regular(path)
     try:
-        chunks, left = [], limit + 1
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 20))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
+        return read_bounded(fd, limit, repr(path))
     finally:
         os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise ValueError(f"{path!r} holds more than {limit} bytes; it is not a file chemio "
-                         f"wrote")
-    return data

@@ -35,7 +35,7 @@ from typing import Any, Iterable
 
 from . import config
 from .errors import ArgumentError, InvalidNameError, OutOfSpaceError, StorageError
-from .ownfiles import NotARegularFile, open_regular
+from .ownfiles import NotARegularFile, open_regular, read_bounded
 
 BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "COBALT_JOBID",
                   "FLUX_JOB_ID")
@@ -568,19 +568,9 @@ def _read_record(path: str, limit: int = RECORD_LIMIT) -> tuple[bytes, os.stat_r
         if st.st_size > limit:
             raise ValueError(f"holds {st.st_size} bytes, more than the {limit} of a file "
                              f"chemio writes")
-        chunks, left = [], limit + 1
-        while left > 0:
-            b = os.read(fd, left)
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
+        return read_bounded(fd, limit, "it"), st
     finally:
         os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise ValueError(f"holds more than the {limit} bytes of a file chemio writes")
-    return data, st
 
 
 def _parse_lease(data: bytes) -> dict:

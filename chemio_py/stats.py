@@ -217,7 +217,7 @@ def _replaceable(target: str) -> str | None:
             to = ""
         return f"it is a symbolic link{to}, and chemio does not write through links"
     if not _stat.S_ISREG(st.st_mode):
-        return f"it is {ownfiles._kind(st.st_mode)}, not a regular file"
+        return f"it is {ownfiles.kind(st.st_mode)}, not a regular file"
     if st.st_uid != os.geteuid():
         return (f"it is an existing file owned by uid {st.st_uid}, not by you "
                 f"(uid {os.geteuid()}), and chemio does not replace other users' files")
