@@ -133,24 +133,35 @@ class Request:
         return f"<Request {state}>"
 
 
+def _uninterrupted(step: Callable[[], bool]) -> None:
+    """Call ``step()`` until it returns True; an interrupt (KeyboardInterrupt, an exception
+    from a signal handler) meanwhile is re-raised once it has."""
+    interrupt = None
+    while True:
+        try:
+            if step():
+                break
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            if interrupt is None:
+                interrupt = e
+    if interrupt is not None:
+        raise interrupt
+
+
 def settle(reqs: Iterable[Request]) -> None:
     """Wait until every request in ``reqs`` has ended, whatever happens meanwhile.
 
-    An interrupt (KeyboardInterrupt, an exception from a signal handler) during the wait
-    does not cut it short: no caller may get control back while I/O on its buffers is in
-    flight. The interrupt is re-raised once every request has ended. Outcomes are not
-    looked at (errors stay unobserved for their owner).
+    An interrupt during the wait does not cut it short: no caller may get control back
+    while I/O on its buffers is in flight. The interrupt is re-raised once every request
+    has ended. Outcomes are not looked at (errors stay unobserved for their owner).
     """
-    interrupt = None
-    for r in reqs:
-        while r._state < _DONE:
-            try:
-                r._block(None)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                if interrupt is None:
-                    interrupt = e
-    if interrupt is not None:
-        raise interrupt
+    reqs = list(reqs)
+
+    def ended() -> bool:
+        for r in reqs:
+            r._block(None)
+        return True
+    _uninterrupted(ended)
 
 
 class TaskRun:
@@ -222,20 +233,13 @@ class TaskRun:
         """Drop the tasks not started; return once none is running, whatever happens
         meanwhile (an interrupt is re-raised after). The caller takes no lock here: an
         interrupt inside a lock protocol could leave it broken for the pool threads."""
-        interrupt = None
-        delay = 0.0001
-        while True:
-            try:
-                self._tasks.clear()
-                if not self._active:
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.005)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                if interrupt is None:
-                    interrupt = e
-        if interrupt is not None:
-            raise interrupt
+        def idle() -> bool:
+            self._tasks.clear()
+            if self._active:
+                time.sleep(0.0005)
+                return False
+            return True
+        _uninterrupted(idle)
 
 
 class _NoRequest:

@@ -94,19 +94,30 @@ def _clean_scratch_after_test():
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    """A real 1 MiB tmpfs when this machine lets us mount one (root), else None."""
-    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True)
-    if r.returncode != 0:
-        yield None
-        return
-    try:
-        yield str(mnt)
-    finally:
+def make_tmpfs(tmp_path):
+    """``make_tmpfs(size)`` mounts a real tmpfs of ``size`` (e.g. ``"1m"``) under the test's
+    directory and returns its path, or None where this machine does not let us (not root);
+    every mount is undone after the test."""
+    mounted = []
+
+    def mount(size: str) -> str | None:
+        mnt = tmp_path / f"tmpfs-{size}-{uuid.uuid4().hex[:6]}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                            str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            return None
+        mounted.append(mnt)
+        return str(mnt)
+    yield mount
+    for mnt in mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(make_tmpfs):
+    """A real 1 MiB tmpfs when this machine lets us mount one (root), else None."""
+    return make_tmpfs("1m")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -188,10 +188,12 @@ def test_interrupted_close_waits_for_requests():
             d.close()
     except KeyboardInterrupt:
         pass
-    _quiet_after(out)
-    assert np.all(out == 1.0)                          # the read completed before anything returned
+    if d.closed:                        # closed: its request ended before close() returned
+        _quiet_after(out)
+        assert np.all(out == 1.0)
+    # else the interrupt came before close() began: the read is still the caller's own
     d.close()
-    assert d.closed
+    assert d.closed and np.all(out == 1.0)
 
 
 def test_settle_swallows_nothing_and_waits_for_all():

@@ -165,19 +165,9 @@ def test_sigkill_after_durable_flush_keeps_its_records(workdir, comp, after, del
 # ---------------------------------------------------------------- item 5: ENOSPC
 
 @pytest.fixture
-def tiny_fs(workdir):
-    """A real 8 MiB tmpfs under the test directory (root), else None (fault injection)."""
-    mnt = workdir / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True)
-    if r.returncode != 0:
-        yield None
-        return
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def tiny_fs(make_tmpfs):
+    """A real 8 MiB tmpfs (root), else None (fault injection)."""
+    return make_tmpfs("8m")
 
 
 @pytest.fixture
