@@ -228,9 +228,9 @@ class Engine:
                 try:
                     value = then(res, t0, t1)
                 except BaseException as e:  # noqa: BLE001 - delivered at wait()
-                    req._finish(None, e)
+                    req.set_exception(e)
                 else:
-                    req._finish(value)
+                    req.set_result(value)
                 continue
             b, i = divmod(data - QUEUE_DEPTH, BLOCK)
             owner = self._gowner[b]
@@ -254,9 +254,9 @@ class Engine:
             try:
                 value = group.then(group.results, group.t0, t1)
             except BaseException as e:  # noqa: BLE001 - delivered at wait()
-                group.req._finish(None, e)
+                group.req.set_exception(e)
             else:
-                group.req._finish(value)
+                group.req.set_result(value)
 
     def _reap(self) -> None:
         events, nr_getevents = self._events, self._nr[2]

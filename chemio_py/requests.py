@@ -54,6 +54,15 @@ class Request:
             for fn in callbacks:
                 _run_callback(fn, self)
 
+    def set_result(self, value: Any = None) -> None:
+        """Complete the request with ``value`` (for a backend's native asynchronous path,
+        which creates the ``Request`` and completes it from its own thread)."""
+        self._finish(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Complete the request with the error ``exc`` (raised by ``wait()``)."""
+        self._finish(None, exc)
+
     def _run(self, fn: Callable[..., Any], args: tuple) -> None:
         with _state_lock:
             if self._state != _PENDING:
