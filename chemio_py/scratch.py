@@ -409,9 +409,12 @@ def _leave_job_dir(j: _JobDir) -> None:
         os.rmdir(j.path)
     except FileNotFoundError:
         pass
-    except OSError:                     # another process of the job arrived meanwhile
-        try:
-            _write_marker(j.path)
+    except OSError:
+        try:                            # a process of the job arrived meanwhile: re-mark
+            if any(n.startswith(LEASE_PREFIX) for n in os.listdir(j.path)):
+                _write_marker(j.path)
+            else:
+                os.rmdir(j.path)
         except OSError:
             pass
 
