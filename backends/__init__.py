@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Any, Callable, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Tuple, runtime_checkable
 
 from chemio_py.errors import BackendUnavailableError
 
@@ -41,51 +42,194 @@ _factories: dict[str, Callable[[], Any]] = {}
 _instances: dict[str, Any] = {}
 
 
+Region = Tuple[slice, ...]
+"""A section of an array as one ``slice(start, stop)`` (step 1) per axis, inside its shape."""
+
+
 @runtime_checkable
 class ByteStore(Protocol):
-    path: str
+    """One open byte-addressable file (ExclusiveFile, SharedFile, RecordFile).
 
-    def pread(self, offset: int, out: Any) -> int: ...
-    def pwrite(self, offset: int, data: Any) -> int: ...
-    def size(self) -> int: ...
-    def truncate(self, n: int) -> None: ...
-    def reserve(self, n: int) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
+    Safe to call from several threads at once for disjoint byte ranges. Every failing call
+    raises a ``chemio_py.errors`` error carrying errno, path, offset and size
+    (``OutOfSpaceError`` for ENOSPC/EDQUOT). The user layer checks modes, offsets and
+    limits before it calls; the store moves bytes.
+    """
+
+    path: str
+    """Where the bytes live now (may change, e.g. ``auto`` spilling from RAM to disk)."""
+
+    def pread(self, offset: int, out: Any) -> int:
+        """Fill the writable buffer ``out`` from ``offset``; return the bytes read, fewer
+        than ``len(out)`` only at the end of the file (the user layer decides what that
+        means). Short reads of the OS are looped inside."""
+    def pwrite(self, offset: int, data: Any) -> int:
+        """Write all of buffer ``data`` at ``offset`` (extending the file; holes read as
+        zero) and return its length, or raise."""
+    def size(self) -> int:
+        """The file's size in bytes now."""
+    def truncate(self, n: int) -> None:
+        """Set the size to ``n`` bytes (shrink or extend with zeros)."""
+    def reserve(self, n: int) -> None:
+        """Make sure the first ``n`` bytes can be written without running out of space
+        (allocate them), without changing the size; ``OutOfSpaceError`` now if not."""
+    def flush(self) -> None:
+        """Make written data durable (fdatasync or the equivalent)."""
+    def close(self) -> None:
+        """Release the store; idempotent. Never a collective call."""
 
 
 @runtime_checkable
 class ArrayStore(Protocol):
-    """The data of one DiskArray, opened by ``backend.open_array(path, mode, shape=, dtype=,
-    chunks=)``. ``region`` is a tuple of ``slice(start, stop)`` inside ``shape``; ``out`` /
-    ``data`` are NumPy arrays of the region's shape and the array's dtype (possibly strided
-    views, last axis contiguous). The user layer checks bounds, dtypes and modes, splits
-    sections into tasks and synchronises ranks; ``read_all``/``write_all`` may do true
-    collective I/O over ``comm`` (default: the independent calls). ``byte_addressable``
-    says a write touches only the region's bytes (no read-modify-write of whole chunks).
-    Optional: ``read_cached(region, out) -> bool`` fills ``out`` only when that needs no
-    device I/O (e.g. every page cached) and says whether it did."""
+    """The data of one DiskArray, opened by ``ArrayBackend.open_array``.
+
+    ``out``/``data`` are NumPy arrays of the region's shape and the array's dtype, possibly
+    strided views whose last axis is contiguous. The user layer checks bounds, dtypes and
+    modes, splits sections into tasks (one thread each) and synchronises ranks.
+    """
+
     path: str
     shape: tuple
     chunks: tuple
     byte_addressable: bool
+    """True when a write touches only the region's bytes (no read-modify-write of whole
+    chunks), so writers of disjoint regions never disturb each other in one chunk."""
 
-    def read(self, region: tuple, out: Any) -> Any: ...
-    def write(self, region: tuple, data: Any) -> None: ...
-    def read_all(self, region: tuple, out: Any, comm: Any = None) -> Any: ...
-    def write_all(self, region: tuple, data: Any, comm: Any = None) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
+    def read(self, region: Region, out: Any) -> Any:
+        """Fill ``out`` from ``region``; return it. Unwritten elements read as zero."""
+    def write(self, region: Region, data: Any) -> None:
+        """Write ``data`` into ``region``; the rest of the array is unchanged."""
+    def read_all(self, region: Region, out: Any, comm: Any = None) -> Any:
+        """Collective read over ``comm`` (every rank calls it; an empty region is fine).
+        Stores without collective I/O read independently."""
+    def write_all(self, region: Region, data: Any, comm: Any = None) -> None:
+        """Collective write over ``comm``; see ``read_all``."""
+    def flush(self) -> None:
+        """Make written data durable."""
+    def close(self) -> None:
+        """Release this rank's handle; idempotent; never a collective call."""
 
 
 @runtime_checkable
 class Backend(Protocol):
-    name: str
+    """A storage backend: where files live and how their stores open and go away."""
 
-    def open_bytes(self, path: str, mode: str, **options: Any) -> ByteStore: ...
-    def stat(self, path: str) -> Any: ...
-    def remove(self, path: str) -> bool: ...
-    def root(self, scope: str, rank: int = 0) -> str: ...
+    def root(self, scope: str, rank: int = 0) -> str:
+        """The directory under which job scratch goes: ``scope`` is ``"private"`` (this
+        rank's files) or ``"shared"`` (files every rank opens)."""
+    def stat(self, path: str) -> Any:
+        """An ``FsInfo(path, free, total, fstype)`` for where ``path`` would live."""
+    def remove(self, path: str) -> bool:
+        """Delete the on-disk object at ``path`` (file or directory); False if absent."""
+
+
+@runtime_checkable
+class ByteBackend(Backend, Protocol):
+    """A backend that holds byte files (ExclusiveFile, SharedFile, RecordFile)."""
+
+    def open_bytes(self, path: str, mode: str, **options: Any) -> ByteStore:
+        """Open (``r``, ``r+``) or create (``w+`` replaces, ``x+`` must not exist) a file;
+        never follows a final symbolic link, never blocks on a FIFO."""
+
+
+@runtime_checkable
+class ArrayBackend(Backend, Protocol):
+    """A backend that holds DiskArrays."""
+
+    def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
+                   **options: Any) -> ArrayStore:
+        """Open or create (``w+``/``x+``: every element zero, space reserved) an array."""
+
+
+# ---------------------------------------------------------------- optional capabilities
+# Looked up once when a store opens (``capabilities``), never per call.
+
+@runtime_checkable
+class CollectiveCheck(Protocol):
+    def check_collective(self, comm: Any, what: str) -> None:
+        """Raise on every rank when this backend cannot serve ``comm``'s ranks together
+        (e.g. ``shm``: all ranks must share one node)."""
+
+
+@runtime_checkable
+class NativeAsync(Protocol):
+    def native_read(self, offset: int, out: Any, then: Callable, stats: Any = None) -> Any:
+        """Start a read the store completes itself (e.g. Linux AIO): return a
+        ``chemio_py.requests.Request`` completed (``set_result``/``set_exception``) with
+        ``then(count, t0, t1)``, or None when this call is not eligible (the pool runs it)."""
+    def native_write(self, offset: int, data: Any, then: Callable, stats: Any = None) -> Any:
+        """As ``native_read``, for a write."""
+
+
+@runtime_checkable
+class NativeAsyncMany(Protocol):
+    def native_read_many(self, many: Any, then: Callable, stats: Any = None) -> Any:
+        """Start many reads as one request (``many`` has ``offsets``, ``addresses``,
+        ``sizes``, ``bits`` and ``views``); None when not eligible."""
+    def native_write_many(self, many: Any, then: Callable, stats: Any = None) -> Any:
+        """As ``native_read_many``, for writes."""
+
+
+@runtime_checkable
+class NonBlockingRead(Protocol):
+    def read_nowait(self, offset: int, out: Any) -> int:
+        """Read only what needs no device I/O (page cache); return the bytes read."""
+
+
+@runtime_checkable
+class CachedRead(Protocol):
+    def read_cached(self, region: Region, out: Any) -> bool:
+        """Fill ``out`` only when that needs no device I/O; say whether it did."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store offers beyond the contract, found once when it opens."""
+    native_read: Callable | None = None
+    native_write: Callable | None = None
+    native_read_many: Callable | None = None
+    native_write_many: Callable | None = None
+    read_nowait: Callable | None = None
+    read_cached: Callable | None = None
+    write_streams: int | None = None       # concurrent writers worth having (None: any)
+    collective: bool = False               # read_all/write_all are true collective I/O
+    byte_addressable: bool = False
+
+
+def capabilities(store: Any) -> Capabilities:
+    """The optional capabilities of an open store (see the protocols above)."""
+    nat = isinstance(store, NativeAsync)
+    many = isinstance(store, NativeAsyncMany)
+    streams = getattr(store, "write_streams", None)
+    return Capabilities(
+        native_read=store.native_read if nat else None,
+        native_write=store.native_write if nat else None,
+        native_read_many=store.native_read_many if many else None,
+        native_write_many=store.native_write_many if many else None,
+        read_nowait=store.read_nowait if isinstance(store, NonBlockingRead) else None,
+        read_cached=store.read_cached if isinstance(store, CachedRead) else None,
+        write_streams=streams if isinstance(streams, int) and streams > 0 else None,
+        collective=getattr(store, "collective", False) is True,
+        byte_addressable=getattr(store, "byte_addressable", False) is True)
+
+
+def require(backend: Any, name: str, kind: type) -> Any:
+    """``backend`` if it serves ``kind`` (``ByteBackend``/``ArrayBackend``), else
+    ``BackendUnavailableError`` naming the backends that do."""
+    if isinstance(backend, kind):
+        return backend
+    what = "byte files (ExclusiveFile, SharedFile, RecordFile)" if kind is ByteBackend \
+        else "DiskArrays"
+    serving = [n for n in names() if n != name and _serves(n, kind)]
+    raise BackendUnavailableError(name, f"it cannot hold {what}",
+                                  f"choose one that can: {serving}")
+
+
+def _serves(name: str, kind: type) -> bool:
+    try:
+        return isinstance(resolve(name), kind)
+    except Exception:
+        return False
 
 
 def register(name: str, factory: Callable[[], Any], replace: bool = False) -> None:
@@ -94,6 +238,13 @@ def register(name: str, factory: Callable[[], Any], replace: bool = False) -> No
         if not replace and (name in _factories or name in BUILTIN):
             raise ValueError(f"backend {name!r} is already registered; pass replace=True")
         _factories[name] = factory
+        _instances.pop(name, None)
+
+
+def unregister(name: str) -> None:
+    """Forget a backend added with ``register`` (built-in ones stay)."""
+    with _lock:
+        _factories.pop(name, None)
         _instances.pop(name, None)
 
 

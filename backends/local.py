@@ -411,12 +411,8 @@ class LocalBackend:
         return scratch.stat(path)
 
     def remove(self, path: str) -> bool:
-        """Delete ``path``; False when it did not exist."""
-        try:
-            os.unlink(path)
-            return True
-        except FileNotFoundError:
-            return False
+        """Delete the file (or directory tree) at ``path``; False when it did not exist."""
+        return scratch.remove_path(path)
 
     # ------------------------------------------------------------ the ArrayStore half
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,

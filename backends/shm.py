@@ -1126,9 +1126,8 @@ class ShmBackend:
         return scratch.FsInfo(os.path.abspath(path), b.headroom, b.limit, b.fstype)
 
     def remove(self, path: str) -> bool:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
+        """Delete the segment (or directory tree) at ``path``; False when it did not exist."""
+        if not scratch.remove_path(path):
             return False
         _forget_budget()
         return True

@@ -12,10 +12,13 @@ from typing import Any
 
 import numpy as np
 
+import chemio_py.backends as _backends
+
 from . import handles, requests, scratch, stats
 from .errors import ArgumentError, ChemIOError, EndOfFileError, ModeError, SupersededError
 
 MODES = ("r", "r+", "w+", "x+")
+_NO_CAPS = _backends.Capabilities()
 
 
 def check_mode(mode: Any) -> str:
@@ -197,6 +200,7 @@ class ByteFile:
 
     def __init__(self, store: Any, backend_name: str, mode: str):
         self._store = store
+        self._caps = _backends.capabilities(store)
         self._path = store.path
         self._mode = mode
         self.backend = backend_name
@@ -245,6 +249,7 @@ class ByteFile:
             return []
         errors = self._pending.drain()
         store, self._store = self._store, None
+        self._caps = _NO_CAPS
         store.close()
         return errors
 
@@ -340,7 +345,7 @@ class ByteFile:
         n = mv.nbytes
         if self._limited:
             self._before_write(offset, n)
-        native = getattr(store, "native_write", None)
+        native = self._caps.native_write
         if native is not None and not requests.sync_mode():
             req = native(offset, mv, self._write_done(n, offset), self._stats)
             if req is not None:
@@ -371,12 +376,12 @@ class ByteFile:
         if mv.format not in _PLAIN_FORMATS:
             refuse_pointers(mv, out)
         n = mv.nbytes
-        native = getattr(store, "native_read", None)
+        native = self._caps.native_read
         if native is not None and not requests.sync_mode():
             req = native(offset, mv, self._read_done(out, n, offset, store), self._stats)
             if req is not None:
                 return self._pending.add(req)
-        nowait = getattr(store, "read_nowait", None)
+        nowait = self._caps.read_nowait
         if nowait is not None and n:
             t0 = time.perf_counter()
             if nowait(offset, mv) == n:
@@ -402,7 +407,7 @@ class ByteFile:
         m = _many_args(offsets, buffers, writable=True)
         if not len(m.offsets):
             return requests.completed(buffers)
-        native = getattr(store, "native_read_many", None)
+        native = self._caps.native_read_many
         if native is not None and not requests.sync_mode():
             req = native(m, self._read_many_done(buffers, m, store), self._stats)
             if req is not None:
@@ -425,7 +430,7 @@ class ByteFile:
         if self._limited:
             for i, o in enumerate(m.offsets.tolist()):
                 self._before_write(o, m.size(i))
-        native = getattr(store, "native_write_many", None)
+        native = self._caps.native_write_many
         if native is not None and not requests.sync_mode():
             req = native(m, self._write_many_done(m), self._stats)
             if req is not None:
@@ -499,6 +504,7 @@ class ByteFile:
             return
         errors = self._pending.drain()          # an interrupt here leaves the file open
         self._store = None
+        self._caps = _NO_CAPS
         store.close()
         handles.release(self._path, self)
         err = requests.failure(self.path, errors)

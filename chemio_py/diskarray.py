@@ -30,10 +30,11 @@ import chemio_py.backends as _backends
 
 from . import config, handles, layout as _layout, meta as _meta, requests, scratch, stats
 from .comm import Comm, resolve as _resolve_comm
-from .errors import (ArgumentError, BackendUnavailableError, ChemIOError, MetadataError,
+from .errors import (ArgumentError, ChemIOError, MetadataError,
                      ModeError, NotSharedError, SectionError, SupersededError)
 
 SUFFIX = ".dra"
+_NO_CAPS = _backends.Capabilities()
 META_SUFFIX = ".json"
 TASK_MIN = 4 << 20            # a task of the I/O pool moves at least this much (if there is)
 TASK_MAX = 16 << 20           # ... and at most about this much
@@ -219,6 +220,7 @@ class DiskArray:
     def __init__(self, *, store: Any, backend_obj: Any, backend_name: str, meta: _meta.Meta,
                  data_path: str, meta_path: str, mode: str, comm: Comm, owner: bool):
         self._store = store
+        self._caps = _backends.capabilities(store)
         self._be = backend_obj
         self.backend = backend_name
         self._meta = meta
@@ -272,21 +274,17 @@ class DiskArray:
                         f"where the array stays); scratch arrays need neither")
                 keep = path is not None
                 be_name = config.backend_for(name, backend).value
-                be = _backends.resolve(be_name)
-                if not hasattr(be, "open_array"):
-                    raise BackendUnavailableError(
-                        be_name, "it cannot store DiskArrays (no open_array)",
-                        "choose another backend, e.g. backend='local'")
+                be = _backends.require(_backends.resolve(be_name), be_name,
+                                       _backends.ArrayBackend)
                 spec = (name, shape_t, dt.str, ch, be_name, keep)
             c.same_everywhere(spec, what, lambda mine, first: (
                 f"rank {c.rank} asked for DiskArray.create{mine[:4]} on backend {mine[4]!r} "
                 f"but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass the same "
                 f"name, shape, dtype, layout and backend"))
             if c.size > 1:
-                check = getattr(be, "check_collective", None)
-                if check is not None:                 # e.g. shm: every rank on one node
+                if isinstance(be, _backends.CollectiveCheck):   # e.g. shm: one node
                     with c.agree(what):
-                        check(c, what)
+                        be.check_collective(c, what)
             uuid = os.urandom(16).hex()
             with c.agree(what):
                 if c.rank == 0:
@@ -305,7 +303,7 @@ class DiskArray:
                                           perms=perms)
                     created = True
                     if not keep:
-                        scratch.own(data)
+                        scratch.own(data, be.remove)
                     m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch,
                                    backend=be_name, data=os.path.basename(data),
                                    persistent=keep, uuid=uuid,
@@ -413,11 +411,8 @@ class DiskArray:
                     data = guess if os.path.exists(guess) else \
                         os.path.join(os.path.dirname(mpath), m.data)
                 be_name = backend or m.backend
-                be = _backends.resolve(be_name)
-                if not hasattr(be, "open_array"):
-                    raise BackendUnavailableError(
-                        be_name, "it cannot store DiskArrays (no open_array)",
-                        "pass backend= naming one that can")
+                be = _backends.require(_backends.resolve(be_name), be_name,
+                                       _backends.ArrayBackend)
                 if not os.path.lexists(data):
                     raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
                                         f"{data!r} is missing; restore it or delete the metadata")
@@ -559,7 +554,7 @@ class DiskArray:
             return []
         threads = max(1, int(config.get("io_threads")))
         task = min(TASK_MAX, max(TASK_MIN, nb // (2 * threads)))
-        subs = self._layout.split(region, task, getattr(store, "byte_addressable", False))
+        subs = self._layout.split(region, task, self._caps.byte_addressable)
         return [(sub, arr[_layout.relative(region, sub)]) for sub in subs]
 
     def _task(self, store: Any, write: bool, piece: tuple) -> None:
@@ -576,7 +571,7 @@ class DiskArray:
         the store's ``write_streams`` (beyond it concurrent writers only contend)."""
         n = max(1, int(config.get("io_threads")))
         if write:
-            n = min(n, getattr(store, "write_streams", None) or n)
+            n = min(n, self._caps.write_streams or n)
         return max(1, min(ntasks, n))
 
     def _taskrun(self, store: Any, write: bool, tasks: list) -> tuple[requests.TaskRun, int]:
@@ -596,7 +591,7 @@ class DiskArray:
         others instead of leaving them writing into the caller's buffer."""
         t0 = time.perf_counter()
         try:
-            cached = None if write else getattr(store, "read_cached", None)
+            cached = None if write else self._caps.read_cached
             if cached is not None and arr.size and cached(region, arr):
                 self._stats.record("read", arr.nbytes, t0, time.perf_counter())
                 return                                   # all in the page cache: one copy
@@ -701,7 +696,7 @@ class DiskArray:
 
     def _collective(self, write: bool, region: tuple, arr: np.ndarray) -> None:
         store = self._store
-        if getattr(store, "collective", False):        # true collective I/O (MPI-IO)
+        if self._caps.collective:                      # true collective I/O (MPI-IO)
             t0 = time.perf_counter()
             if write:
                 store.write_all(region, arr, self._comm)
@@ -732,6 +727,7 @@ class DiskArray:
             return []
         errors = self._pending.drain()          # an interrupt here leaves the array open
         store, self._store = self._store, None
+        self._caps = _NO_CAPS
         if store is not None:
             store.close()
         handles.release(self._data_path, self)

@@ -24,7 +24,7 @@ def _locate(name: str, backend: str | None, dir: str | None) -> tuple[Any, str, 
     """(backend object, backend name, path) for this rank's file ``name``."""
     scratch.validate_name(name)
     be_name = config.backend_for(name, backend).value
-    be = _backends.resolve(be_name)
+    be = _backends.require(_backends.resolve(be_name), be_name, _backends.ByteBackend)
     rank = comm().rank
     root = None if dir is not None else be.root("private", rank)
     return be, be_name, scratch.private_path(name, rank, dir, root=root)
@@ -54,7 +54,7 @@ class ExclusiveFile(ByteFile):
             handles.supersede(path, f"ExclusiveFile({name!r}, 'w+')")
         store = be.open_bytes(path, mode, **options)
         if mode in ("w+", "x+"):
-            scratch.own(path)
+            scratch.own(path, be.remove)
         try:
             if size_hint and mode != "r":
                 store.reserve(size_hint)

@@ -65,7 +65,7 @@ class _JobDir:
 _lock = threading.RLock()
 _job_dirs: dict[str, _JobDir] = {}      # job dir path -> entry, for dirs this process uses
 _by_root: dict[str, str] = {}           # root -> this process's default job dir there
-_owned: dict[str, int] = {}             # files this process created -> creating pid
+_owned: dict[str, tuple[int, Any]] = {}  # objects this process created -> (pid, remover)
 _open_objects: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # -> pid
 _forked = False                         # this process is a fork() child of a chemio process
 
@@ -371,11 +371,26 @@ def in_job_dir(path: str) -> bool:
 
 # ---------------------------------------------------------------- ownership and cleanup
 
-def own(path: str) -> None:
-    """Record that this process created ``path`` in its scratch and removes it at cleanup."""
+def own(path: str, remove: Any = None) -> None:
+    """Record that this process created ``path`` in its scratch and removes it at cleanup,
+    with ``remove(path)`` (the backend's, for the files or directories it makes) or, by
+    default, as a plain file or directory."""
     if in_job_dir(path):
         with _lock:
-            _owned[os.path.abspath(path)] = os.getpid()
+            _owned[os.path.abspath(path)] = (os.getpid(), remove or remove_path)
+
+
+def remove_path(path: str) -> bool:
+    """Remove a file, or a directory tree (never following links); False when absent."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if _stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)             # fd-based on Linux: does not follow links inside
+    else:
+        _unlink_quiet(path)
+    return True
 
 
 def disown(path: str) -> None:
@@ -437,7 +452,7 @@ def cleanup() -> None:
     except Exception:
         keep = False
     with _lock:
-        owned = [p for p, who in _owned.items() if who == pid]
+        owned = [(p, rm) for p, (who, rm) in _owned.items() if who == pid]
         dirs = [j for j in _job_dirs.values() if j.pid == pid]
         if not keep:
             _owned.clear()
@@ -445,13 +460,19 @@ def cleanup() -> None:
             _by_root.clear()
     if keep:
         return
-    for path in owned:
+    failed = []
+    for path, remove in owned:          # one failure never stops the rest
         try:
-            _unlink_quiet(path)
-        except OSError:
-            pass
+            remove(path)
+        except Exception as e:  # noqa: BLE001 - reported below
+            failed.append(f"{path}: {type(e).__name__}: {e}")
     for j in dirs:
         _leave_job_dir(j)
+    if failed:
+        import warnings
+        warnings.warn(f"chemio cleanup could not remove {len(failed)} scratch object(s) "
+                      f"({'; '.join(failed[:5])}); `chemio clean` removes them once this "
+                      f"job is gone", RuntimeWarning, stacklevel=2)
 
 
 atexit.register(cleanup)

@@ -96,7 +96,8 @@ class SharedFile(ByteFile):
                                         f"({hard} bytes); the soft limit is the expected size "
                                         f"and must not pass the hard limit")
                 be_name = config.backend_for(name, backend).value
-                be = _backends.resolve(be_name)
+                be = _backends.require(_backends.resolve(be_name), be_name,
+                                       _backends.ByteBackend)
                 spec = (name, hard, soft, req, be_name)
                 reserve = 0 if soft is None else _round_up(soft, req or 1)
                 if hard is not None:
@@ -107,10 +108,9 @@ class SharedFile(ByteFile):
                 f"request_size and backend"))
             if c.size > 1:
                 host0 = c.bcast(socket.gethostname() if c.rank == 0 else None)
-                check = getattr(be, "check_collective", None)
-                if check is not None:           # e.g. shm: every rank on one node
+                if isinstance(be, _backends.CollectiveCheck):   # e.g. shm: one node
                     with c.agree(what):
-                        check(c, what)
+                        be.check_collective(c, what)
             # 2. rank 0 makes the file (replacing a stale one of the same name), reserves
             #    the soft limit before anyone else opens it, and writes a random token
             #    into a side file of the same directory.
@@ -126,7 +126,7 @@ class SharedFile(ByteFile):
                     be.remove(path)
                     store = be.open_bytes(path, "x+")
                     created = True
-                    scratch.own(path)
+                    scratch.own(path, be.remove)
                     if reserve:
                         store.reserve(reserve)
                     if c.size > 1:
