@@ -1,0 +1,312 @@
+"""The backend conformance suite: what every chemio_py backend must do, as pytest tests.
+
+A backend proves itself by subclassing the suite in its own test module (as
+``zarr.testing.StoreTests`` is used for zarr stores)::
+
+    from chemio_py.testing import BackendTests
+
+    class TestMyBackend(BackendTests):
+        backend = "mine"            # a registered backend name
+
+``BackendTests`` runs the byte contract (``ByteStoreTests``: positioned reads and writes,
+short counts at the end, holes, truncate, reserve, modes, hostile paths, disjoint writers
+from several threads) and the array contract (``ArrayStoreTests``: regions against a NumPy
+model, partial chunks, zero fill, reopen, size checks), then the user API end to end on
+the backend (ExclusiveFile, SharedFile, DiskArray, RecordFile) and the removal of what the
+backend made, files or directories. A backend that holds only byte files or only arrays
+subclasses the one suite it serves. ``mpi_ranks`` > 1 also runs a SharedFile and a
+DiskArray ``write_all`` under a real ``mpiexec`` (mpi4py and an MPI launcher needed).
+
+Every test works in pytest's ``tmp_path`` (and the job scratch, cleaned by the API) and
+leaves nothing behind. Requires pytest; importing it pulls in nothing else.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import chemio_py as cio
+import chemio_py.backends as backends
+from chemio_py.errors import ChemIOError, EndOfFileError
+
+__all__ = ["ByteStoreTests", "ArrayStoreTests", "BackendTests"]
+
+
+class _Base:
+    backend: str = ""
+    """The registered name of the backend under test (set by the subclass)."""
+
+    def be(self):
+        if not self.backend:
+            pytest.fail(f"{type(self).__name__} must set backend = '<registered name>'")
+        return backends.resolve(self.backend)
+
+
+class ByteStoreTests(_Base):
+    """The ByteStore contract (``backends.ByteStore``) and the byte files on top of it."""
+
+    def open_bytes(self, path, mode):
+        return backends.require(self.be(), self.backend, backends.ByteBackend).open_bytes(
+            str(path), mode)
+
+    def test_is_a_byte_backend(self):
+        assert isinstance(self.be(), backends.ByteBackend)
+
+    def test_positioned_io_against_a_model(self, tmp_path):
+        rng = np.random.default_rng(7)
+        model = bytearray()
+        st = self.open_bytes(tmp_path / "b", "w+")
+        try:
+            for _ in range(60):
+                off = int(rng.integers(0, 1 << 17))
+                data = rng.integers(0, 256, int(rng.integers(0, 9000)), dtype=np.uint8)
+                assert st.pwrite(off, data) == data.size
+                if data.size:
+                    if off > len(model):
+                        model.extend(bytes(off - len(model)))      # a hole reads as zero
+                    model[off:off + data.size] = data.tobytes()
+                assert st.size() == len(model)
+            out = bytearray(len(model))
+            assert st.pread(0, out) == len(model) and out == model
+            tail = bytearray(100)
+            assert st.pread(max(0, len(model) - 10), tail) == min(10, len(model))  # short
+            assert st.pread(len(model) + 5, bytearray(8)) == 0                   # past end
+        finally:
+            st.close()
+            st.close()                                   # idempotent
+
+    def test_truncate_reserve_flush(self, tmp_path):
+        st = self.open_bytes(tmp_path / "t", "w+")
+        try:
+            st.pwrite(0, b"x" * 5000)
+            st.truncate(100)
+            assert st.size() == 100
+            st.truncate(300)
+            back = bytearray(300)
+            assert st.pread(0, back) == 300 and back == b"x" * 100 + bytes(200)
+            st.reserve(1 << 20)
+            assert st.size() == 300                      # reserve never changes the size
+            st.flush()
+        finally:
+            st.close()
+
+    def test_modes(self, tmp_path):
+        p = tmp_path / "m"
+        with pytest.raises(OSError):
+            self.open_bytes(p, "r")  # r and r+ need the file
+        self.open_bytes(p, "x+").close()
+        with pytest.raises(OSError):
+            self.open_bytes(p, "x+")  # x+ must not exist
+        st = self.open_bytes(p, "w+")
+        st.pwrite(0, b"abc")
+        st.close()
+        st = self.open_bytes(p, "w+")  # w+ replaces
+        assert st.size() == 0
+        st.close()
+        st = self.open_bytes(p, "r")
+        with pytest.raises((OSError, ChemIOError)):
+            st.pwrite(0, b"no")
+        st.close()
+
+    def test_hostile_paths_are_refused_without_hanging(self, tmp_path):
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        link = tmp_path / "link"
+        os.symlink("/dev/zero", link)
+        for p in (fifo, link):
+            for mode in ("r", "r+", "w+"):
+                try:
+                    st = self.open_bytes(p, mode)
+                except (OSError, ChemIOError):
+                    continue
+                st.close()                               # replaced by a regular file: fine
+                assert not os.path.islink(p) and not os.path.exists("/dev/zero.x")
+
+    def test_disjoint_writers_in_threads(self, tmp_path):
+        st = self.open_bytes(tmp_path / "thr", "w+")
+        blk = 64 * 1024
+        try:
+            def work(k):
+                for i in range(8):
+                    st.pwrite((i * 8 + k) * blk, np.full(blk, k, np.uint8))
+            threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            out = np.empty(64 * blk, np.uint8)
+            assert st.pread(0, out) == out.size
+            assert (out.reshape(64, blk) == (np.arange(64) % 8)[:, None]).all()
+        finally:
+            st.close()
+
+    def test_exclusive_and_record_files_end_to_end(self):
+        model = np.arange(50_000, dtype=np.float64)
+        with cio.ExclusiveFile("conf.eaf", "w+", backend=self.backend) as f:
+            f.write(8 * 1000, model)
+            r = f.aread(8 * 1000, np.empty_like(model))
+            assert np.array_equal(r.wait(), model)
+            assert f.read_bytes(0, 8) == bytes(8)        # the hole
+            with pytest.raises(EndOfFileError):
+                f.read(f.size - 4, np.empty(2))
+            path = f.path
+            f.delete()
+        assert not os.path.exists(path)
+        with cio.RecordFile("conf.rec", "w+", backend=self.backend) as log:
+            for k in range(20):
+                log.append(np.arange(k, dtype=np.int32), np.full(k, float(k)))
+            got = [(i.tolist(), v.tolist()) for i, v in log.replay()]
+            assert got == [(list(range(k)), [float(k)] * k) for k in range(20)]
+            log.delete()
+
+    def test_shared_file_serially(self):
+        with cio.SharedFile("conf.sf", backend=self.backend, hard_limit=1 << 20) as sf:
+            sf.write(4096, b"shared")
+            assert sf.read_bytes(4096, 6) == b"shared"
+            with pytest.raises(ChemIOError):
+                sf.write((1 << 20) - 2, b"past the limit")
+            sf.destroy()
+
+    def test_remove_files_and_directories(self, tmp_path):
+        be = self.be()
+        p = tmp_path / "gone"
+        self.open_bytes(p, "w+").close()
+        assert be.remove(str(p)) is True and not os.path.lexists(p)
+        assert be.remove(str(p)) is False
+        tree = tmp_path / "tree"
+        (tree / "a" / "b").mkdir(parents=True)
+        (tree / "a" / "b" / "c").write_bytes(b"x")
+        outside = tmp_path / "outside"
+        outside.write_bytes(b"keep")
+        os.symlink(outside, tree / "a" / "link")
+        assert be.remove(str(tree)) is True and not os.path.lexists(tree)
+        assert outside.read_bytes() == b"keep"           # links inside are not followed
+
+    mpi_ranks = 0
+    """Ranks for the MPI cases (0: skip them)."""
+
+    def test_shared_file_under_mpiexec(self, tmp_path):
+        if self.mpi_ranks < 2:
+            pytest.skip("set mpi_ranks >= 2 to run the MPI cases")
+        _mpirun(self.mpi_ranks, f"""
+            import numpy as np, chemio_py as cio
+            c = cio.comm()
+            with cio.SharedFile("conf.mpi", backend={self.backend!r}) as sf:
+                sf.write(c.rank * 4096, np.full(512, float(c.rank)))
+                c.barrier()
+                for r in range(c.size):
+                    assert (sf.read(r * 4096, np.empty(512)) == r).all()
+                c.barrier()
+                sf.destroy()
+            print("ok", flush=True)
+        """, tmp_path, self.mpi_ranks)
+
+
+class ArrayStoreTests(_Base):
+    """The ArrayStore contract (``backends.ArrayStore``) and DiskArrays on top of it."""
+
+    def open_array(self, path, mode, shape, dtype, chunks):
+        be = backends.require(self.be(), self.backend, backends.ArrayBackend)
+        return be.open_array(str(path), mode, shape=shape, dtype=np.dtype(dtype), chunks=chunks)
+
+    def test_is_an_array_backend(self):
+        assert isinstance(self.be(), backends.ArrayBackend)
+
+    @pytest.mark.parametrize("dtype", ["f8", "i4", "c16", "u1"])
+    def test_regions_against_a_model(self, tmp_path, dtype):
+        shape, chunks = (37, 23, 5), (8, 10, 5)
+        rng = np.random.default_rng(3)
+        model = np.zeros(shape, dtype)
+        st = self.open_array(tmp_path / "a", "w+", shape, dtype, chunks)
+        try:
+            for _ in range(40):
+                lo = [int(rng.integers(0, n)) for n in shape]
+                hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, shape)]
+                region = tuple(slice(a, b) for a, b in zip(lo, hi))
+                data = (rng.random([b - a for a, b in zip(lo, hi)]) * 100).astype(dtype)
+                st.write(region, data)
+                model[region] = data
+                out = np.empty(data.shape, dtype)
+                st.read(region, out)
+                assert np.array_equal(out, data)
+            whole = np.empty(shape, dtype)
+            st.read(tuple(slice(0, n) for n in shape), whole)
+            assert np.array_equal(whole, model)          # unwritten elements are zero
+            st.flush()
+        finally:
+            st.close()
+            st.close()
+        st = self.open_array(tmp_path / "a", "r", shape, dtype, chunks)
+        try:
+            again = np.empty(shape, dtype)
+            st.read(tuple(slice(0, n) for n in shape), again)
+            assert np.array_equal(again, model)          # it persists across a reopen
+        finally:
+            st.close()
+
+    def test_strided_buffers(self, tmp_path):
+        st = self.open_array(tmp_path / "s", "w+", (16, 16), "f8", (4, 16))
+        try:
+            big = np.arange(32 * 16, dtype="f8").reshape(32, 16)
+            st.write((slice(0, 16), slice(0, 16)), big[::2])     # rows 2 apart
+            out = np.zeros((16, 32))
+            st.read((slice(0, 16), slice(0, 16)), out[:, :16])
+            assert np.array_equal(out[:, :16], big[::2]) and not out[:, 16:].any()
+        finally:
+            st.close()
+
+    def test_diskarray_end_to_end(self, tmp_path):
+        model = np.arange(60 * 40, dtype="f8").reshape(60, 40)
+        with cio.DiskArray.create("conf", (60, 40), "f8", chunks=(16, 16),
+                                  backend=self.backend) as d:
+            d[3:50, 7:33] = model[3:50, 7:33]
+            assert np.array_equal(d.aread(np.s_[:, :]).wait()[3:50, 7:33], model[3:50, 7:33])
+            assert d[0:3].sum() == 0
+        d = cio.DiskArray.create("keep", (60, 40), "f8", chunks=(16, 16), path=tmp_path,
+                                 backend=self.backend)
+        d.write_all((), model)
+        d.close()
+        e = cio.DiskArray.open(d.path, "r+", backend=self.backend)
+        assert np.array_equal(e[:, :], model)
+        e.delete()
+        assert not os.path.lexists(d.path) and not os.path.lexists(d.meta_path)
+
+    def test_diskarray_write_all_under_mpiexec(self, tmp_path):
+        ranks = getattr(self, "mpi_ranks", 0)
+        if ranks < 2:
+            pytest.skip("set mpi_ranks >= 2 to run the MPI cases")
+        _mpirun(ranks, f"""
+            import numpy as np, chemio_py as cio
+            c = cio.comm()
+            with cio.DiskArray.create("confmpi", (97, 13), "i8", chunks=(10, 13),
+                                      backend={self.backend!r}) as d:
+                sec = cio.block_section(d.shape, chunks=d.chunks)
+                d.write_all(sec, np.full(d[sec].shape, c.rank + 1))
+                full = d.read_all(())
+                assert (full > 0).all() and full.max() == c.size
+            print("ok", flush=True)
+        """, tmp_path, ranks)
+
+
+class BackendTests(ByteStoreTests, ArrayStoreTests):
+    """Both contracts: for a backend that holds byte files and DiskArrays."""
+
+
+def _mpirun(n: int, body: str, tmp_path, ranks: int) -> None:
+    launcher = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(launcher):
+        launcher = shutil.which("mpiexec") or ""
+    if not launcher:
+        pytest.skip("no mpiexec here (pip install mpich mpi4py)")
+    script = tmp_path / "conformance_mpi.py"
+    script.write_text(textwrap.dedent(body))
+    p = subprocess.run([launcher, "-n", str(n), sys.executable, "-m", "mpi4py", str(script)],
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert p.returncode == 0 and p.stdout.count("ok") == ranks, (p.stdout, p.stderr[-3000:])
