@@ -141,6 +141,13 @@ class ArrayBackend(Backend, Protocol):
         """Open or create (``w+``/``x+``: every element zero, space reserved) an array."""
 
 
+def array_formats(backend: Any) -> tuple[str, ...]:
+    """The on-disk array formats an ``ArrayBackend`` reads and writes, the one it creates
+    first: its ``array_formats`` attribute, else the raw chunk grid (``"grid"``)."""
+    formats = getattr(backend, "array_formats", None)
+    return tuple(formats) if formats else ("grid",)
+
+
 # ---------------------------------------------------------------- optional capabilities
 # Looked up once when a store opens (``capabilities``), never per call.
 

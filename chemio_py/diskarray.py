@@ -191,6 +191,14 @@ def _persistent_paths(name: str, path: Any) -> tuple[str, str]:
     return p, p + META_SUFFIX
 
 
+def _readable_by(backend_name: str, layout: str) -> bool:
+    try:
+        be = _backends.resolve(backend_name)
+    except Exception:
+        return False
+    return isinstance(be, _backends.ArrayBackend) and layout in _backends.array_formats(be)
+
+
 def _exists_message(data: str, mpath: str) -> str:
     if not os.path.lexists(mpath):
         return (f"a data file without metadata is at {data!r} (left by an interrupted "
@@ -307,7 +315,8 @@ class DiskArray:
                     m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch,
                                    backend=be_name, data=os.path.basename(data),
                                    persistent=keep, uuid=uuid,
-                                   created=_meta.creation_info(c.size))
+                                   created=_meta.creation_info(c.size),
+                                   layout=_backends.array_formats(be)[0])
                     _meta.write_atomic(mpath, _meta.dumps(m), perms)
                     if not keep:
                         scratch.own(mpath)
@@ -319,7 +328,8 @@ class DiskArray:
                         handles.supersede(data, what)
                         store = cls._open_peer(be, data, mpath, uuid, shape_t, dt, ch, c, host0)
             m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch, backend=be_name,
-                           data=os.path.basename(data), persistent=keep, uuid=uuid)
+                           data=os.path.basename(data), persistent=keep, uuid=uuid,
+                           layout=_backends.array_formats(be)[0])
         except BaseException:
             if store is not None:
                 store.close()
@@ -413,6 +423,14 @@ class DiskArray:
                 be_name = backend or m.backend
                 be = _backends.require(_backends.resolve(be_name), be_name,
                                        _backends.ArrayBackend)
+                if m.layout not in _backends.array_formats(be):
+                    able = [n for n in _backends.names() if n != be_name and
+                            _readable_by(n, m.layout)]
+                    raise MetadataError(
+                        f"the array at {mpath!r} is in format {m.layout!r}, which backend "
+                        f"{be_name!r} cannot read (it reads "
+                        f"{list(_backends.array_formats(be))}); open it with backend= one of "
+                        f"{able}")
                 if not os.path.lexists(data):
                     raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
                                         f"{data!r} is missing; restore it or delete the metadata")

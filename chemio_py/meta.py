@@ -105,6 +105,7 @@ class Meta:
     uuid: str
     created: dict = field(default_factory=dict)
     format: int = FORMAT
+    layout: str = "grid"        # the store's on-disk format (raw chunk grid, zarr3, ...)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +115,7 @@ class Meta:
         return {
             "format": self.format, "kind": KIND, "name": self.name,
             "shape": list(self.shape), "dtype": self.dtype.str, "chunks": list(self.chunks),
-            "order": "C", "layout": "grid", "byte_order": sys.byteorder,
+            "order": "C", "layout": self.layout, "byte_order": sys.byteorder,
             "nbytes": self.nbytes, "backend": self.backend, "data": self.data,
             "persistent": self.persistent, "uuid": self.uuid, "created": dict(self.created),
         }
@@ -169,9 +170,11 @@ def validate(doc: Any, src: str = "<document>") -> Meta:
         raise _bad(src, f"format version {fmt} (this chemio_py reads {FORMAT})", hint)
     if doc.get("kind", KIND) != KIND:
         raise _bad(src, f"'kind' is {doc.get('kind')!r:.60}, expected {KIND!r}")
-    for key, want in (("order", "C"), ("layout", "grid")):
-        if doc.get(key, want) != want:
-            raise _bad(src, f"{key!r} is {doc.get(key)!r:.40}; only {want!r} is supported")
+    if doc.get("order", "C") != "C":
+        raise _bad(src, f"'order' is {doc.get('order')!r:.40}; only 'C' is supported")
+    layout = doc.get("layout", "grid")          # which store format: its store checks it
+    if not isinstance(layout, str) or not _BACKEND.match(layout):
+        raise _bad(src, f"'layout' {layout!r:.60} is not a format name")
     shape = _int_list(doc, "shape", src, 0)
     chunks = _int_list(doc, "chunks", src, 1)
     if len(chunks) != len(shape):
@@ -221,7 +224,8 @@ def validate(doc: Any, src: str = "<document>") -> Meta:
     if not isinstance(created, dict):
         created = {}
     return Meta(name=name, shape=shape, dtype=dtype, chunks=chunks, backend=backend,
-                data=data, persistent=persistent, uuid=uuid, created=created, format=fmt)
+                data=data, persistent=persistent, uuid=uuid, created=created, format=fmt,
+                layout=layout)
 
 
 def _reject_constant(name: str) -> Any:

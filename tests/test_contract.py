@@ -110,3 +110,31 @@ def test_cleanup_removes_directories_through_the_backend_and_goes_on_after_a_fai
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scratch.cleanup()
+
+
+def test_formats_belong_to_the_store(tmp_path, registered):
+    import json
+    d = cio.DiskArray.create("fmt", (8, 8), "f8", path=tmp_path)
+    d[:] = 2.0
+    d.close()
+    doc = json.loads(open(d.meta_path).read())
+    assert doc["layout"] == "grid"                       # the raw grid keeps its name
+    doc["layout"] = "zarr3"
+    open(d.meta_path, "w").write(json.dumps(doc))
+    with pytest.raises(cio.MetadataError, match="format 'zarr3'.*backend 'local' cannot read"):
+        cio.DiskArray.open(d.path)
+
+    class _Zarrish(_ArraysOnly):
+        array_formats = ("zarr3", "grid")
+    registered("zarrish", _Zarrish)
+    with pytest.raises(cio.MetadataError, match="one of \\['zarrish'\\]"):
+        cio.DiskArray.open(d.path)
+    e = cio.DiskArray.open(d.path, backend="zarrish")    # a backend that reads it opens it
+    assert e[:].sum() == 2.0 * 64
+    e.close()
+    doc["layout"] = "../../etc"
+    open(d.meta_path, "w").write(json.dumps(doc))
+    with pytest.raises(cio.MetadataError, match="not a format name"):
+        cio.DiskArray.open(d.path)
+    os.unlink(d.meta_path)
+    os.unlink(d.path)
