@@ -29,6 +29,7 @@ import numpy as np
 import chemio_py.backends as _backends
 
 from . import config, handles, layout as _layout, meta as _meta, requests, scratch, stats
+from . import sections as _sections
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, ChemIOError, MetadataError,
                      ModeError, NotSharedError, SectionError, SupersededError)
@@ -41,74 +42,6 @@ TASK_MAX = 16 << 20           # ... and at most about this much
 
 
 # ---------------------------------------------------------------- sections
-
-def _norm_index(k: Any, n: int, axis: int, key: Any, shape: tuple) -> tuple[slice, bool]:
-    """(slice, squeezed) for one entry of a section."""
-    if isinstance(k, (np.ndarray, list, np.bool_)):
-        kind = "boolean" if np.asarray(k).dtype == bool else "integer-array (fancy)"
-        raise SectionError(
-            f"section {key!r}: axis {axis} uses {kind} indexing, which DiskArray does not "
-            f"do; a section is a tuple of step-1 slices and ints: read the enclosing section "
-            f"(e.g. d[a:b]) and apply the index to it in memory")
-    if isinstance(k, slice):
-        if k.step not in (None, 1):
-            raise SectionError(
-                f"section {key!r}: axis {axis} has step {k.step!r}; DiskArray moves step-1 "
-                f"sections only: read the step-1 section and slice it in memory")
-        start, stop = k.start, k.stop
-        for v, what in ((start, "start"), (stop, "stop")):
-            if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__")):
-                raise SectionError(f"section {key!r}: axis {axis} {what} {v!r} is not an int")
-        start = 0 if start is None else operator.index(start)
-        stop = n if stop is None else operator.index(stop)
-        if start < 0:
-            start += n
-        if stop < 0:
-            stop += n
-        if not 0 <= start <= stop <= n:
-            raise SectionError(
-                f"section {key!r}: axis {axis} asks for [{k.start}:{k.stop}] but the array "
-                f"has {n} elements there (shape {shape}); use 0 <= start <= stop <= {n}")
-        return slice(start, stop), False
-    if isinstance(k, bool) or not hasattr(k, "__index__"):
-        raise SectionError(
-            f"section {key!r}: axis {axis} entry {k!r} ({type(k).__name__}) is not a slice or "
-            f"int; a section is a tuple of step-1 slices and ints, e.g. np.s_[0:10, 5]")
-    i = operator.index(k)
-    if not -n <= i < n:
-        raise SectionError(f"section {key!r}: index {i} is out of range for axis {axis} of "
-                           f"length {n} (shape {shape})")
-    i %= n
-    return slice(i, i + 1), True
-
-
-def parse_section(key: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[bool, ...]]:
-    """``key`` as (region of step-1 slices, which axes an int index drops)."""
-    items = key if isinstance(key, tuple) else (key,)
-    if isinstance(key, list):
-        raise SectionError(f"section {key!r} is a list (fancy indexing); use a tuple of "
-                           f"step-1 slices and ints (np.s_[...])")
-    n_ell = sum(1 for k in items if k is Ellipsis)
-    if n_ell > 1:
-        raise SectionError(f"section {key!r} has more than one '...'")
-    if n_ell:
-        i = next(j for j, k in enumerate(items) if k is Ellipsis)
-        fill = len(shape) - (len(items) - 1)
-        if fill < 0:
-            raise SectionError(f"section {key!r} has {len(items) - 1} entries for a "
-                               f"{len(shape)}-d array of shape {shape}")
-        items = items[:i] + (slice(None),) * fill + items[i + 1:]
-    if len(items) > len(shape):
-        raise SectionError(f"section {key!r} has {len(items)} entries for a {len(shape)}-d "
-                           f"array of shape {shape}")
-    items = tuple(items) + (slice(None),) * (len(shape) - len(items))
-    region, squeeze = [], []
-    for axis, (k, n) in enumerate(zip(items, shape)):
-        s, sq = _norm_index(k, n, axis, key, shape)
-        region.append(s)
-        squeeze.append(sq)
-    return tuple(region), tuple(squeeze)
-
 
 def block_section(shape: Sequence[int], comm: Any = None, axis: int = 0, *,
                   chunks: Sequence[int] | None = None) -> tuple[slice, ...]:
@@ -158,12 +91,6 @@ def _as_values(value: Any, dtype: np.dtype) -> np.ndarray:
             raise ArgumentError(f"value {value!r} does not fit dtype {dtype} ({e}); nothing "
                                 f"was written") from None
     return arr
-
-
-def _expand(a: np.ndarray, squeeze: tuple[bool, ...]) -> np.ndarray:
-    """View ``a`` (section shape without int-indexed axes) with those axes put back."""
-    axes = tuple(i for i, s in enumerate(squeeze) if s)
-    return np.expand_dims(a, axes) if axes else a
 
 
 class _Releaser:
@@ -510,7 +437,7 @@ class DiskArray:
     def _prep_read(self, section: Any, out: Any, transpose: bool) -> tuple:
         """Checks a read; returns (region, target view in region shape, result, copy-back)."""
         self._open_store()
-        region, squeeze = parse_section(section, self.shape)
+        region, squeeze = _sections.parse_section(section, self.shape)
         full = _layout.region_shape(region)
         shape = tuple(n for n, s in zip(full, squeeze) if not s)
         want = shape[::-1] if transpose else shape
@@ -534,7 +461,7 @@ class DiskArray:
                         f"{' (transposed)' if transpose else ''}; pass an array of shape {want}")
         target = out.T if transpose else out
         if target.shape != full:
-            target = _expand(target, squeeze)
+            target = _sections.expand(target, squeeze)
         if _direct(target):
             return region, target, out, None
         tmp = np.empty(full, self.dtype)
@@ -543,7 +470,7 @@ class DiskArray:
     def _prep_write(self, section: Any, data: Any, transpose: bool) -> tuple:
         """Checks a write; returns (region, source array in region shape)."""
         self._writable_store()
-        region, squeeze = parse_section(section, self.shape)
+        region, squeeze = _sections.parse_section(section, self.shape)
         full = _layout.region_shape(region)
         shape = tuple(n for n, s in zip(full, squeeze) if not s)
         want = shape[::-1] if transpose else shape
@@ -560,7 +487,7 @@ class DiskArray:
                 f"written")
         src = arr.T if transpose else arr
         if src.shape != full:
-            src = _expand(src, squeeze)
+            src = _sections.expand(src, squeeze)
         if src.dtype != self.dtype or not _direct(src):
             src = np.ascontiguousarray(src, dtype=self.dtype)
         return region, src
@@ -656,7 +583,7 @@ class DiskArray:
     def __setitem__(self, key: Any, value: Any) -> None:
         """``d[section] = value``; ``value`` broadcasts to the section as in NumPy."""
         arr = value if isinstance(value, np.ndarray) else _as_values(value, self.dtype)
-        region, squeeze = parse_section(key, self.shape)
+        region, squeeze = _sections.parse_section(key, self.shape)
         shape = tuple(n for n, s in zip(_layout.region_shape(region), squeeze) if not s)
         if arr.shape != shape:
             try:

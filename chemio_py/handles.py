@@ -14,7 +14,6 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
-from .errors import SupersededError  # noqa: F401 - raised by the handles' owners
 
 
 class Supersedable(Protocol):
