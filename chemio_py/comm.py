@@ -1,8 +1,9 @@
 """One communicator interface over "serial" and an mpi4py communicator.
 
-``cio.comm()`` is MPI ``COMM_WORLD`` when the process was started by an MPI launcher or
-mpi4py is already initialised, else a serial communicator of one rank. mpi4py is imported
-only when it is needed, so ``import chemio_py`` works without it.
+``cio.comm()`` is the communicator given to ``cio.configure(comm=...)`` (kept here: config
+passes it on through its change hook), else MPI ``COMM_WORLD`` when the process was started
+by an MPI launcher or mpi4py is already initialised, else a serial communicator of one rank.
+mpi4py is imported only when it is needed, so ``import chemio_py`` works without it.
 """
 from __future__ import annotations
 
@@ -129,6 +130,15 @@ class _Agreement:
 
 _world: list[Comm] = []
 _world_lock = threading.Lock()
+_explicit: Any = None           # what configure(comm=...) set (None: the default)
+
+
+def _configured(changes: dict[str, Any], reset: bool) -> None:
+    global _explicit
+    _explicit = changes["comm"]     # None after configure(comm=None) and config.reset()
+
+
+config.on_change(("comm",), _configured)
 
 
 def launched_by_mpi() -> bool:
@@ -152,7 +162,7 @@ def wrap(c: Any) -> Comm:
 
 def comm() -> Comm:
     """The communicator collective calls use (see module docstring)."""
-    explicit = config.explicit_comm()
+    explicit = _explicit
     if explicit is not None:
         return wrap(explicit)
     with _world_lock:

@@ -26,6 +26,10 @@ user's (or root's), and the file they reach passes the same checks. ``CHEMIO_CON
 means no config file at all. Every value, from any source, is checked: a number must be
 finite and in range (``io_threads`` 1 to 1024, sizes up to ``2**63-1`` bytes), a flag a
 boolean, a path a string.
+
+This is the lowest layer of the package: it imports no chemio module but ``errors`` and
+``ownfiles``. Modules above it that keep state derived from a setting (the I/O pool, the
+trace, the communicator) follow changes through ``on_change`` hooks.
 """
 from __future__ import annotations
 
@@ -40,14 +44,10 @@ import tempfile
 import threading
 import tomllib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from . import ownfiles
-from .errors import ChemIOError
-
-
-class ConfigError(ChemIOError, ValueError):
-    """A setting has a value that cannot be used."""
+from .errors import ConfigError
 
 
 MAX_IO_THREADS = 1024
@@ -229,10 +229,16 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
          "use O_DIRECT for aligned requests on the local backend"),
 ]}
 
+# What configure() takes besides the settings: config passes these values on to the hooks
+# that subscribed to them and keeps nothing (the communicator lives in chemio_py.comm).
+PASSED_ON = ("comm",)
+
+Hook = Callable[[dict[str, Any], bool], None]
+
 _lock = threading.Lock()
 _explicit: dict[str, Any] = {}
-_explicit_comm: list[Any] = []          # [comm] when configure(comm=...) was called
 _toml_cache: dict[str, tuple[float, dict]] = {}
+_hooks: list[tuple[frozenset[str], Hook]] = []
 
 
 @dataclass(frozen=True)
@@ -429,41 +435,75 @@ def get(name: str) -> Any:
     return get_setting(name).value
 
 
+def on_change(names: Iterable[str], fn: Hook) -> Callable[[], None]:
+    """Call ``fn(changes, reset)`` after ``configure()`` or ``reset()`` changed any of
+    ``names`` (settings, or ``"comm"``); returns a function that removes the hook.
+
+    ``changes`` maps each of ``names`` that changed to its new explicit value (parsed), or
+    to None where the explicit value was dropped; a name counts as changed when a
+    ``configure()`` call names it. ``reset`` is True for ``reset()``, which drops every
+    explicit value and reports every name. Hooks run in the calling thread, in the order
+    they subscribed, once the new values are in place; if one raises, the others still
+    run and the first error is raised. A ``configure()`` that raises calls no hook.
+    """
+    wanted = frozenset([names] if isinstance(names, str) else names)
+    unknown = wanted - set(SPECS) - set(PASSED_ON)
+    if unknown or not wanted:
+        got = f"unknown names {sorted(unknown)}" if unknown else "no names"
+        raise ConfigError(f"on_change() got {got}; known: {sorted(SPECS) + list(PASSED_ON)}")
+    entry = (wanted, fn)
+    with _lock:
+        _hooks.append(entry)
+
+    def remove() -> None:
+        with _lock:
+            if entry in _hooks:
+                _hooks.remove(entry)
+    return remove
+
+
+def _notify(changes: dict[str, Any], reset: bool) -> None:
+    with _lock:
+        hooks = list(_hooks)
+    first: BaseException | None = None
+    for names, fn in hooks:
+        mine = {k: v for k, v in changes.items() if k in names}
+        if not mine:
+            continue
+        try:
+            fn(mine, reset)
+        except BaseException as e:  # noqa: BLE001 - the other hooks still run; raised below
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
+
+
 def configure(**settings: Any) -> None:
     """Set settings explicitly (highest precedence). ``name=None`` drops an explicit value.
 
     ``comm=`` takes an mpi4py communicator (or a ``chemio_py.comm.Comm``) to use for
-    collective calls, e.g. a sub-communicator for a task group.
+    collective calls, e.g. a sub-communicator for a task group; ``comm=None`` goes back
+    to the default (``COMM_WORLD`` under an MPI launcher). Nothing changes when any value
+    is invalid.
     """
-    unknown = set(settings) - set(SPECS) - {"comm"}
+    unknown = set(settings) - set(SPECS) - set(PASSED_ON)
     if unknown:
         raise ConfigError(f"configure() got unknown settings {sorted(unknown)}; "
-                          f"known: {sorted(SPECS) + ['comm']}")
+                          f"known: {sorted(SPECS) + list(PASSED_ON)}")
     parsed = {}
     for k, v in settings.items():
-        if k != "comm" and v is not None:
+        if k in SPECS and v is not None:
             parsed[k] = _parse(SPECS[k], v, "configure()")
     with _lock:
         for k, v in settings.items():
-            if k == "comm":
-                _explicit_comm.clear()
-                if v is not None:
-                    _explicit_comm.append(v)
-            elif v is None:
+            if k in PASSED_ON:
+                continue
+            if v is None:
                 _explicit.pop(k, None)
             else:
                 _explicit[k] = parsed[k]
-    if "io_threads" in settings or "sync" in settings:
-        from . import requests
-        requests.reset_pool()
-    if "trace" in settings:
-        from . import stats
-        stats.refresh_trace()
-
-
-def explicit_comm() -> Any | None:
-    with _lock:
-        return _explicit_comm[0] if _explicit_comm else None
+    _notify({k: parsed.get(k, v) for k, v in settings.items()}, reset=False)
 
 
 def settings() -> dict[str, Setting]:
@@ -504,11 +544,8 @@ def backend_for(name: str | None, explicit: str | None = None) -> Setting:
 
 
 def reset() -> None:
-    """Drop all explicit settings (tests use this)."""
+    """Drop all explicit settings and ``comm`` (tests use this)."""
     with _lock:
         _explicit.clear()
-        _explicit_comm.clear()
         _toml_cache.clear()
-    from . import requests, stats
-    requests.forget_settings()
-    stats.refresh_trace()
+    _notify(dict.fromkeys([*SPECS, *PASSED_ON]), reset=True)

@@ -6,6 +6,7 @@ errors about bad arguments are also ``ValueError``, so callers can catch them ei
 """
 from __future__ import annotations
 
+import concurrent.futures as _futures
 import errno as _errno
 
 
@@ -114,6 +115,15 @@ class ArgumentError(ChemIOError, ValueError):
     """An argument (offset, size, mode, name...) is not acceptable."""
 
 
+class ConfigError(ChemIOError, ValueError):
+    """A setting has a value that cannot be used."""
+
+
+class CancelledError(ChemIOError, _futures.CancelledError):
+    """The request was cancelled before it ran (``Request.cancel()``); raised by its
+    ``wait()``. Also a ``concurrent.futures.CancelledError``."""
+
+
 class SectionError(ChemIOError, ValueError):
     """A section (tuple of slices) or data shape does not fit the array."""
 
@@ -170,8 +180,8 @@ class CollectiveError(ChemIOError):
 
 
 __all__ = [
-    "ChemIOError", "ArgumentError", "StorageError", "OutOfSpaceError", "UnobservedIOError",
-    "SupersededError",
+    "ChemIOError", "ArgumentError", "ConfigError", "CancelledError", "StorageError",
+    "OutOfSpaceError", "UnobservedIOError", "SupersededError",
     "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
     "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",

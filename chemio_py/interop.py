@@ -7,7 +7,9 @@ DiskArray and an HDF5 dataset (PySCF-style files) slab by slab, reading the next
 the DiskArray while the current one goes through h5py, with an optional progress bar.
 h5py is used from one thread only (its global lock serialises it anyway).
 
-dask and h5py are imported inside these functions, never at ``import chemio_py``.
+This module sits above ``diskarray`` and imports it; ``DiskArray``'s own ``to_dask``,
+``from_hdf5``... import this module when first called. dask and h5py are imported inside
+these functions, never at ``import chemio_py``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from . import layout as _layout, meta as _meta
 from .comm import resolve as _resolve_comm
+from .diskarray import DiskArray, block_section
 from .errors import ArgumentError
 
 SLAB_BYTES = 64 << 20          # HDF5 copies move slabs of about this size
@@ -94,7 +97,7 @@ def dask_chunks(chunks: tuple, shape: tuple, itemsize: int,
     return tuple(ch)
 
 
-def to_dask(d: Any, chunks: Any = None) -> Any:
+def to_dask(d: DiskArray, chunks: Any = None) -> Any:
     """A lazy dask array over DiskArray ``d``; ``chunks`` default: whole disk chunks
     grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing)."""
     import dask.array as da
@@ -113,7 +116,7 @@ def _block_regions(chunks: tuple[tuple[int, ...], ...]) -> list[tuple[slice, ...
 
 
 def from_dask(x: Any, name: str, *, chunks: Any = None, request_shape: Any = None,
-              comm: Any = None, **create_kw: Any) -> Any:
+              comm: Any = None, **create_kw: Any) -> DiskArray:
     """Store dask array ``x`` in a new DiskArray ``name`` (collective).
 
     The disk chunks are ``x``'s block shape when its blocks form a regular grid (so every
@@ -122,7 +125,6 @@ def from_dask(x: Any, name: str, *, chunks: Any = None, request_shape: Any = Non
     stores every ``size``-th block. Other keywords go to ``DiskArray.create``.
     """
     import dask.array as da
-    from .diskarray import DiskArray
     if not isinstance(x, da.Array):
         x = da.asarray(x)
     if chunks is None and request_shape is None and x.ndim and x.size:
@@ -157,7 +159,7 @@ def _h5_chunks(chunks: tuple, shape: tuple, itemsize: int) -> tuple | None:
     return _layout.default_chunks(shape, itemsize)
 
 
-def to_hdf5(d: Any, path: Any, dataset: str, *, overwrite: bool = False,
+def to_hdf5(d: DiskArray, path: Any, dataset: str, *, overwrite: bool = False,
             compression: Any = None, progress: Any = False, mode: str = "a",
             slab_bytes: int = SLAB_BYTES) -> None:
     """Copy DiskArray ``d`` into dataset ``dataset`` of HDF5 file ``path`` (collective:
@@ -170,7 +172,7 @@ def to_hdf5(d: Any, path: Any, dataset: str, *, overwrite: bool = False,
             _to_hdf5(d, path, dataset, overwrite, compression, progress, mode, slab_bytes)
 
 
-def _to_hdf5(d: Any, path: Any, dataset: str, overwrite: bool, compression: Any,
+def _to_hdf5(d: DiskArray, path: Any, dataset: str, overwrite: bool, compression: Any,
              progress: Any, mode: str, slab_bytes: int) -> None:
     import h5py
     if not isinstance(dataset, str) or not dataset.strip("/"):
@@ -212,7 +214,7 @@ def _default_name(dataset: str) -> str:
 
 def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any = None,
               request_shape: Any = None, progress: Any = False, comm: Any = None,
-              slab_bytes: int = SLAB_BYTES, **create_kw: Any) -> Any:
+              slab_bytes: int = SLAB_BYTES, **create_kw: Any) -> DiskArray:
     """A new DiskArray holding dataset ``dataset`` of HDF5 file ``h5file`` (collective).
 
     ``name`` defaults to the dataset's name with unusual characters replaced. Each rank
@@ -220,7 +222,6 @@ def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any
     DiskArray writes of the previous one overlap. Other keywords go to ``DiskArray.create``
     (``path=``, ``persistent=``, ``backend=``...).
     """
-    from .diskarray import DiskArray, block_section
     c = _resolve_comm(comm)
     what = f"DiskArray.from_hdf5({str(h5file)!r}, {dataset!r})"
     info = None
@@ -252,7 +253,7 @@ def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any
     return d
 
 
-def _from_hdf5(d: Any, h5file: Any, dataset: str, mine: tuple, progress: Any,
+def _from_hdf5(d: DiskArray, h5file: Any, dataset: str, mine: tuple, progress: Any,
                slab_bytes: int) -> None:
     import h5py
     lo, hi = mine[0].start, mine[0].stop

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import config
-from .errors import UnobservedIOError
+from .errors import CancelledError, UnobservedIOError
 
 _PENDING, _RUNNING, _DONE, _CANCELLED = 0, 1, 2, 3
 _state_lock = threading.Lock()      # guards pending -> running / cancelled transitions
@@ -263,10 +263,6 @@ class _NoRequest:
 _NO_REQUEST = _NoRequest()
 
 
-class CancelledError(Exception):
-    """The request was cancelled before it ran."""
-
-
 def _run_callback(fn: Callable[[Request], Any], req: Request) -> None:
     try:
         fn(req)
@@ -342,6 +338,17 @@ def reset_pool(wait: bool = True) -> None:
 def forget_settings() -> None:
     """Drop the cached sync mode (the next request reads the setting again)."""
     _sync_mode.clear()
+
+
+def _settings_changed(changes: dict, reset: bool) -> None:
+    # configure(io_threads=/sync=) starts a new pool; reset() only drops the cached sync mode.
+    if reset:
+        forget_settings()
+    else:
+        reset_pool()
+
+
+config.on_change(("io_threads", "sync"), _settings_changed)
 
 
 def _after_fork_in_child() -> None:

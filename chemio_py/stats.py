@@ -164,8 +164,11 @@ _trace = _Trace()
 
 
 def refresh_trace() -> None:
-    """Re-read the trace setting (``configure(trace=...)`` calls this)."""
+    """Re-read the trace setting (after ``configure(trace=...)`` and ``config.reset()``)."""
     _trace.refresh()
+
+
+config.on_change(("trace",), lambda changes, reset: refresh_trace())
 
 
 @contextmanager
