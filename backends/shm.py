@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from chemio_py import config, scratch
-from chemio_py.errors import ChemIOError, OutOfSpaceError, StorageError, _fmt_bytes
+from chemio_py.errors import (ChemIOError, NodeSpanError, OutOfSpaceError,  # noqa: F401
+                              StorageError, _fmt_bytes)
 
 from .local import _byte_span, _bytes_view, _fallocate_keep_size
 
@@ -1025,10 +1026,6 @@ def node_groups(hosts: list[str], node_ids: list[int]) -> dict[str, list[int]] |
         label = name if names.count(name) == 1 else f"{name} (node of rank {ranks[0]})"
         groups[label] = ranks
     return groups
-
-
-class NodeSpanError(ChemIOError):
-    """A shared object on a node-local backend was asked for by ranks on several nodes."""
 
 
 class ShmBackend:

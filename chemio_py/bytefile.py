@@ -15,7 +15,8 @@ import numpy as np
 import chemio_py.backends as _backends
 
 from . import handles, requests, scratch, stats
-from .errors import ArgumentError, ChemIOError, EndOfFileError, ModeError, SupersededError
+from .errors import (ArgumentError, ChemIOError, EndOfFileError, ModeError, PointerBufferError,
+                     SupersededError)
 
 MODES = ("r", "r+", "w+", "x+")
 _NO_CAPS = _backends.Capabilities()
@@ -49,10 +50,6 @@ def check_offset(offset: Any, what: str = "offset") -> int:
 
 _PLAIN_FORMATS = frozenset([p + c for p in ("", "<", ">", "=", "@", "!")
                             for c in [*"bBhHiIlLqQnNefdg?cx", "Ze", "Zf", "Zd", "Zg"]])
-
-
-class PointerBufferError(ArgumentError):
-    """A buffer whose items are pointers (NumPy object arrays) was given for file I/O."""
 
 
 def refuse_pointers(mv: memoryview, obj: Any) -> memoryview:

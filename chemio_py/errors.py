@@ -179,6 +179,26 @@ class CollectiveError(ChemIOError):
         super().__init__(f"{what} failed on {len(self.failures)} rank(s): {lines}")
 
 
+class PointerBufferError(ArgumentError):
+    """A buffer whose items are pointers (NumPy object arrays) was given for file I/O."""
+
+
+class NotARegularFile(OSError):
+    """The path exists but is a FIFO, device, socket, directory or symbolic link."""
+
+
+class CompressorUnavailableError(ChemIOError, ImportError):
+    """The compressor asked for needs numcodecs, which is not installed."""
+
+
+class RefusedRemoval(ArgumentError):
+    """``remove_job_dir`` was asked to remove something that is not provably stale scratch."""
+
+
+class NodeSpanError(ChemIOError):
+    """A shared object on a node-local backend was asked for by ranks on several nodes."""
+
+
 __all__ = [
     "ChemIOError", "ArgumentError", "ConfigError", "CancelledError", "StorageError",
     "OutOfSpaceError", "UnobservedIOError", "SupersededError",

@@ -11,11 +11,9 @@ import errno
 import os
 import stat as _stat
 
+from .errors import NotARegularFile  # noqa: F401 - raised here, imported from here too
+
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
-
-
-class NotARegularFile(OSError):
-    """The path exists but is a FIFO, device, socket, directory or symbolic link."""
 
 
 def kind(mode: int) -> str:

@@ -60,7 +60,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import requests
-from .errors import ArgumentError, ChemIOError, LimitExceededError, MetadataError, ModeError
+from .errors import (ArgumentError, ChemIOError, CompressorUnavailableError,  # noqa: F401
+                     LimitExceededError, MetadataError, ModeError)
 from .exclusive import ExclusiveFile
 from .prefetch import Pipeline, WriteBehind, _quiet_wait, check_depth
 
@@ -92,10 +93,6 @@ _ZPAD = memoryview(bytes(8))
 
 class RecoveredWarning(UserWarning):
     """A record file was opened at its previous commit: the newest one is incomplete."""
-
-
-class CompressorUnavailableError(ChemIOError, ImportError):
-    """The compressor asked for needs numcodecs, which is not installed."""
 
 
 def _pad8(n: int) -> int:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from . import config
-from .errors import ArgumentError, InvalidNameError, OutOfSpaceError, StorageError
+from .errors import (InvalidNameError, OutOfSpaceError, RefusedRemoval,  # noqa: F401
+                     StorageError)
 from .ownfiles import NotARegularFile, open_regular, read_bounded
 
 BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "COBALT_JOBID",
@@ -49,10 +50,6 @@ NO_LEASE_GRACE = 3600           # seconds a marked directory without any lease i
 _NAME_CHARS = re.compile(r"[A-Za-z0-9._+-]+")
 _MAX_NAME = 200
 _ATTEMPTS = 20
-
-
-class RefusedRemoval(ArgumentError):
-    """``remove_job_dir`` was asked to remove something that is not provably stale scratch."""
 
 
 @dataclass
