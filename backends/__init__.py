@@ -119,6 +119,8 @@ class Backend(Protocol):
         rank's files) or ``"shared"`` (files every rank opens)."""
     def stat(self, path: str) -> Any:
         """An ``FsInfo(path, free, total, fstype)`` for where ``path`` would live."""
+    def exists(self, path: str) -> bool:
+        """True when an object (file or directory) of this backend is at ``path``."""
     def remove(self, path: str) -> bool:
         """Delete the on-disk object at ``path`` (file or directory); False if absent."""
 

@@ -29,8 +29,10 @@ from typing import Any
 from chemio_py import scratch, stats
 from chemio_py.errors import ChemIOError, OutOfSpaceError, _fmt_bytes, SpillWarning
 
-from . import shm as _shm
 from .local import LocalBackend
+from .ram_budget import RamBudget, ram_budget, shm_dir
+from .shm import ShmBackend
+from .shm_lock import _Gate
 
 
 
@@ -58,7 +60,7 @@ _PRIVATE_NAME = re.compile(r".+\.(\d+)")
 
 def _in_shm_job_dir(path: str) -> bool:
     d = os.path.dirname(os.path.abspath(path))
-    return (os.path.dirname(d) == _shm.shm_dir()
+    return (os.path.dirname(d) == shm_dir()
             and os.path.basename(d).startswith(scratch.JOB_PREFIX))
 
 
@@ -77,7 +79,7 @@ def ram_path(path: str) -> str | None:
     d, base = os.path.split(os.path.abspath(path))
     if not os.path.basename(d).startswith(scratch.JOB_PREFIX):
         return None
-    return os.path.join(_shm.shm_dir(), os.path.basename(d), base)
+    return os.path.join(shm_dir(), os.path.basename(d), base)
 
 
 def _make_job_dir_for(path: str) -> None:
@@ -97,7 +99,7 @@ class AutoByteStore:
         self.disk_path = disk or impl.path
         self._impl = impl
         self._last_path = impl.path
-        self._gate = _shm._Gate(None)
+        self._gate = _Gate(None)
         self._local = LocalBackend()
 
     @property
@@ -229,7 +231,7 @@ class AutoBackend:
     description = "starts in RAM (shm), spills to local disk when the RAM budget runs out"
 
     def __init__(self):
-        self._shm = _shm.ShmBackend()
+        self._shm = ShmBackend()
         self._local = LocalBackend()
 
     def check_available(self) -> None:
@@ -318,5 +320,5 @@ class AutoBackend:
         in_ram = ram is not None and self._shm.remove(ram)
         return in_ram or on_disk
 
-    def budget(self) -> _shm.RamBudget:
-        return _shm.ram_budget()
+    def budget(self) -> RamBudget:
+        return ram_budget()

@@ -6,6 +6,9 @@ Space is reserved with ``posix_fallocate`` (fast writes, and ENOSPC up front ins
 half-way). O_DIRECT is opt-in (``direct=True`` or ``CHEMIO_DIRECT=1``): requests whose
 buffer address, offset and length are aligned go through an O_DIRECT descriptor, the rest
 through the page cache; a file system that refuses O_DIRECT falls back to buffered I/O.
+
+This module holds the stores and the backend; the system-call helpers they share with
+``shm`` (safe opening, preallocation, buffer views, page residency) are in ``posix``.
 """
 from __future__ import annotations
 
@@ -13,18 +16,19 @@ import ctypes
 import errno
 import mmap
 import os
-import stat as _stat
 import time
 from typing import Any
 
 import numpy as np
 
 from chemio_py import config, scratch
-
-from . import linux_aio
 from chemio_py.errors import OutOfSpaceError, StorageError
 
-DIRECT_ALIGN = 4096
+from . import linux_aio
+from .posix import (DIRECT_ALIGN, _address, _byte_span, _bytes_view, _copy_runs,
+                    _fallocate_keep_size, _mincore, _mincore_ok, _process_vm, _sieve_buffer,
+                    _unlink_regular, open_checked)
+
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _MODES = {
@@ -40,94 +44,9 @@ _ADVICE = {
     "willneed": getattr(os, "POSIX_FADV_WILLNEED", 3),
     "dontneed": getattr(os, "POSIX_FADV_DONTNEED", 4),
 }
-
-
-_libc: list[Any] = []
-FALLOC_FL_KEEP_SIZE = 1
-
-
-def _fallocate_keep_size(fd: int, n: int) -> int:
-    """fallocate(2) with FALLOC_FL_KEEP_SIZE (not in the os module); returns errno or 0."""
-    if not _libc:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = getattr(libc, "fallocate", None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-        _libc.append((fn, ctypes))
-    fn, ctypes = _libc[0]
-    if fn is None:
-        return errno.ENOSYS
-    return 0 if fn(fd, FALLOC_FL_KEEP_SIZE, 0, n) == 0 else ctypes.get_errno()
-
-
-def aligned_empty(shape: Any, dtype: Any = np.uint8, align: int = DIRECT_ALIGN) -> np.ndarray:
-    """An uninitialised C-ordered array whose data starts on an ``align``-byte boundary."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    nbytes = count * dtype.itemsize
-    if nbytes >= mmap.PAGESIZE and align <= mmap.PAGESIZE:
-        raw = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)   # page-aligned, lazy zero
-    else:
-        raw = np.empty(nbytes + align, dtype=np.uint8)
-        start = (-raw.ctypes.data) % align
-        raw = raw[start:start + nbytes]
-    return raw.view(dtype).reshape(shape)
-
-
-def _bytes_view(buf: Any, writable: bool) -> memoryview:
-    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if writable and mv.readonly:
-        raise TypeError(f"read buffer must be writable, got a read-only {type(buf).__name__}")
-    if not mv.c_contiguous:
-        raise TypeError(f"buffer must be C-contiguous, got {type(buf).__name__} "
-                        f"with strides {mv.strides}")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
-
-
-def _address(mv: memoryview) -> int:
-    return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
-
-
-def open_checked(path: str, flags: int, mode: str, perms: int = 0o600) -> int:
-    """``os.open`` of a data file with errors that say what to do.
-
-    Never follows a final symbolic link and never blocks (a FIFO put where a data file
-    should be): anything but a regular file is refused with a ``StorageError``.
-    """
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, perms)
-    except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise FileNotFoundError(errno.ENOENT, f"directory {parent!r} does not exist; create "
-                                    f"it first or pass another dir=", path) from None
-        raise FileNotFoundError(errno.ENOENT, f"no such file (mode {mode!r} opens an existing "
-                                f"file; use 'w+' to create it)", path) from None
-    except FileExistsError:
-        raise FileExistsError(errno.EEXIST, f"file exists (mode 'x+' creates a new file; use "
-                              f"'r+' to open it or 'w+' to replace it)", path) from None
-    except OSError as e:
-        hint = {errno.EMFILE: "this process has too many open files: close files or raise "
-                              "the limit (ulimit -n)",
-                errno.ELOOP: "the path is a symbolic link, which scratch files never follow",
-                errno.ENXIO: "the path is a FIFO, not a data file",
-                errno.EACCES: "no permission: choose a scratch directory you can write"}
-        raise StorageError(e.errno, path, None, None, "open", hint.get(e.errno, "")) from e
-    try:
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
-            raise StorageError(errno.EINVAL, path, None, None, "open",
-                               "it is not a regular file (a FIFO, device or directory?); "
-                               "chemio data files are regular files")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+_PREFETCH_GAP_PAGES = 16        # partial pages closer than this are fetched in one request
+_BIG_SEGMENT = 1 << 20          # runs this long on average use preadv/pwritev, cached or not
+_IN_PLACE_FS = ("ext2", "ext3", "ext4", "xfs", "tmpfs")   # overwrite allocated blocks in place
 
 
 class _PosixFile:
@@ -472,47 +391,6 @@ class LocalBackend:
         return LocalArrayStore(path, fd, mode != "r", layout, np.dtype(dtype))
 
 
-def _unlink_regular(path: str) -> None:
-    """Remove an old file at ``path`` before it is created anew (not a directory, FIFO...)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not (_stat.S_ISREG(st.st_mode) or _stat.S_ISLNK(st.st_mode)):
-        raise StorageError(errno.EEXIST, path, None, None, "create the array",
-                           "something that is not a regular file is in the way; remove it "
-                           "or choose another name")
-    os.unlink(path)
-
-
-_sieve: list[memoryview] = []
-_PREFETCH_GAP_PAGES = 16        # partial pages closer than this are fetched in one request
-_BIG_SEGMENT = 1 << 20          # runs this long on average use preadv/pwritev, cached or not
-_IN_PLACE_FS = ("ext2", "ext3", "ext4", "xfs", "tmpfs")   # overwrite allocated blocks in place
-
-
-def _sieve_buffer(n: int) -> memoryview:
-    """A scratch buffer that reads fill with the bytes of holes nobody asked for.
-
-    One buffer for every thread: its content is never looked at."""
-    if not n:
-        return memoryview(b"")
-    if not _sieve or len(_sieve[0]) < n:
-        _sieve[:] = [memoryview(bytearray(n))]
-    return _sieve[0]
-
-
-def _byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
-    """A flat byte view of the memory array ``a`` spans; None when its strides do not allow."""
-    isz = a.itemsize
-    if any(s < 0 or s % isz for s in a.strides):
-        return None
-    span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // isz + 1
-    flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(isz,),
-                                           writeable=writable and a.flags.writeable)
-    return memoryview(flat.view(np.uint8))
-
-
 class LocalArrayStore(_PosixFile):
     """A DiskArray's data: one POSIX file in the raw grid format (see ``chemio_py.layout``).
 
@@ -779,73 +657,3 @@ class LocalArrayStore(_PosixFile):
             self.close()
         except Exception:
             pass
-
-
-_mincore_fn: list[Any] = []
-_pvm_fns: list[Any] = []
-_IOV_MAX = 1024
-
-
-def _process_vm() -> tuple | None:
-    """(process_vm_readv, process_vm_writev) from libc, or None where they are missing or
-    forbidden (a seccomp filter)."""
-    if not _pvm_fns:
-        fns = None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fns = (libc.process_vm_readv, libc.process_vm_writev)
-            for fn in fns:
-                fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                               ctypes.c_ulong, ctypes.c_ulong]
-                fn.restype = ctypes.c_ssize_t
-            probe = ctypes.create_string_buffer(8)
-            iov = (ctypes.c_uint64 * 2)(ctypes.addressof(probe), 8)
-            if fns[0](os.getpid(), iov, 1, iov, 1, 0) != 8:
-                fns = None
-        except (OSError, AttributeError):
-            fns = None
-        _pvm_fns.append(fns)
-    return _pvm_fns[0]
-
-
-def _copy_runs(write: bool, file_addrs: np.ndarray, mem_addrs: np.ndarray,
-               lens: np.ndarray) -> bool:
-    """Copy runs between mapped file pages and memory by the kernel; True when every byte
-    moved (False: a page could not be had, e.g. the file was truncated)."""
-    fn = _process_vm()[1 if write else 0]
-    k = lens.size
-    mem = np.empty((k, 2), dtype=np.uint64)
-    mem[:, 0] = mem_addrs
-    mem[:, 1] = lens
-    fil = np.empty((k, 2), dtype=np.uint64)
-    fil[:, 0] = file_addrs
-    fil[:, 1] = lens
-    pid = os.getpid()
-    for i in range(0, k, _IOV_MAX):
-        j = min(k, i + _IOV_MAX)
-        want = int(lens[i:j].sum())
-        if fn(pid, mem[i:j].ctypes.data, j - i, fil[i:j].ctypes.data, j - i, 0) != want:
-            return False
-    return True
-
-
-def _mincore_ok() -> bool:
-    if not _mincore_fn:
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.mincore
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _mincore_fn.append(fn)
-        except (OSError, AttributeError):
-            _mincore_fn.append(None)
-    return _mincore_fn[0] is not None
-
-
-def _mincore(addr: int, length: int) -> np.ndarray | None:
-    """Residency (one byte per page, bit 0 set = in the page cache) of a mapped range."""
-    vec = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
-    if _mincore_fn[0](addr, length, vec.ctypes.data) != 0:
-        return None
-    return vec & 1

@@ -45,7 +45,7 @@ __version__ = "0.1.0"
 
 def aligned_empty(shape, dtype="uint8", align: int = 4096):
     """An uninitialised array aligned for O_DIRECT (``align``-byte boundary)."""
-    from .backends.local import aligned_empty as _ae
+    from .backends.posix import aligned_empty as _ae
     return _ae(shape, dtype, align)
 
 

@@ -225,7 +225,7 @@ class DiskArray:
                 if c.rank == 0:
                     if keep:
                         data, mpath = _persistent_paths(name, path)
-                        if not overwrite and (os.path.lexists(data) or os.path.lexists(mpath)):
+                        if not overwrite and (be.exists(data) or os.path.lexists(mpath)):
                             raise ArgumentError(_exists_message(data, mpath))
                         if os.path.lexists(mpath):
                             os.unlink(mpath)           # old metadata first: never half valid
@@ -261,8 +261,9 @@ class DiskArray:
             if store is not None:
                 store.close()
             if created:
+                be.remove(data)
+                scratch.remove_path(mpath)          # the user layer wrote the metadata
                 for p in (data, mpath):
-                    be.remove(p)
                     scratch.disown(p)
             raise
         d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
@@ -358,7 +359,7 @@ class DiskArray:
                         f"{be_name!r} cannot read (it reads "
                         f"{list(_backends.array_formats(be))}); open it with backend= one of "
                         f"{able}")
-                if not os.path.lexists(data):
+                if not be.exists(data):
                     raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
                                         f"{data!r} is missing; restore it or delete the metadata")
                 store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype, chunks=m.chunks)
@@ -715,7 +716,8 @@ class DiskArray:
     def _remove_files(self) -> None:
         for p in (self._meta_path, self._data_path):
             scratch.disown(p)
-            self._be.remove(p)
+        scratch.remove_path(self._meta_path)        # the user layer wrote the metadata
+        self._be.remove(self._data_path)
 
     def __enter__(self) -> "DiskArray":
         return self

@@ -15,7 +15,7 @@ import pytest
 
 import chemio_py as cio
 from chemio_py import config, scratch
-from chemio_py.backends import shm as shm_mod
+from chemio_py.backends import ram_budget as budget_mod
 
 MiB = 1 << 20
 
@@ -79,7 +79,7 @@ def run_job(tmp_path, env: dict) -> dict:
 
 
 def in_ram(f: dict) -> bool:
-    return (f["path"].startswith(shm_mod.shm_dir() + os.sep) and f["fstype"] == "tmpfs"
+    return (f["path"].startswith(budget_mod.shm_dir() + os.sep) and f["fstype"] == "tmpfs"
             and f["allocated"] >= f["nbytes"])
 
 
@@ -118,7 +118,7 @@ def test_toml_rule_moves_matching_names_only(tmp_path):
 
 def test_chemio_backend_auto_spills_only_what_does_not_fit(tmp_path):
     # the budget counts every chemio segment in the shm dir: give the job its own
-    own = tempfile.mkdtemp(prefix="cio-shm-", dir=shm_mod.shm_dir())
+    own = tempfile.mkdtemp(prefix="cio-shm-", dir=budget_mod.shm_dir())
     try:
         rep = run_job(tmp_path, {"CHEMIO_BACKEND": "auto", "CHEMIO_SHM_LIMIT": "3M",
                                  "CHEMIO_SHM_DIR": own})
@@ -151,7 +151,7 @@ def test_explicit_argument_wins_over_env_and_rules(tmp_path, monkeypatch):
         assert scratch.fstype(f.path) == scratch.fstype(scratch.private_root(0))
         f.delete()
     with cio.ExclusiveFile("y.dat", "w+") as f:                 # env decides
-        assert f.backend == "shm" and f.path.startswith(shm_mod.shm_dir())
+        assert f.backend == "shm" and f.path.startswith(budget_mod.shm_dir())
         f.delete()
 
 

@@ -25,6 +25,9 @@ class _Places:
     def stat(self, path):
         return self._local.stat(path)
 
+    def exists(self, path):
+        return self._local.exists(path)
+
     def remove(self, path):
         return self._local.remove(path)
 

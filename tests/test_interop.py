@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import dask.array as da
+import h5py
 import numpy as np
 import pytest
 
@@ -9,9 +11,6 @@ import chemio_py as cio
 import chemio_py.backends as backends
 from chemio_py import interop
 from chemio_py.errors import ArgumentError
-
-da = pytest.importorskip("dask.array")
-h5py = pytest.importorskip("h5py")
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 Failure paths are driven by real OS errors: a read past the end of a truncated file
 (``EndOfFileError``) and ``os.preadv``/``os.pwritev`` in the local backend module returning
-EIO for one offset. After every early exit the test counts threads, requests and fds.
+EIO for one offset (on the backends whose bytes go through that module). After every early
+exit the test counts threads, requests and fds.
 """
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ from chemio_py import requests, stats
 from chemio_py.errors import EndOfFileError, StorageError
 from chemio_py.prefetch import Pipeline, WriteBehind, iter_blocks
 
+from conftest import store_backends
+
 N = 6000                       # float64 elements in the test file
+
+# EIO is injected into ``os`` as the local backend module sees it, so those tests run on the
+# backends whose bytes go through that module: ``local``, and ``auto`` with its file outside
+# the shm directory (on disk from the start). ``shm`` copies through a mapping: no
+# preadv/pwritev there could fail.
+EIO_BACKENDS = [b for b in ("local", "auto") if b in store_backends()]
 
 
 # ---------------------------------------------------------------- helpers
@@ -84,10 +93,15 @@ class _EIO:
         return fn
 
 
-def _inject_eio(monkeypatch, store: str, offset: int | None, op: str,
+@pytest.fixture(params=EIO_BACKENDS)
+def disk_store(request, tmp_path) -> dict:
+    """Where a file whose I/O runs through the local backend's ``os`` goes:
+    ``backend=`` and, for ``auto``, ``dir=`` on disk (the job's scratch would be RAM)."""
+    return {"backend": request.param, **({"dir": str(tmp_path)} if request.param == "auto" else {})}
+
+
+def _inject_eio(monkeypatch, offset: int | None, op: str,
                 from_offset: int | None = None) -> _EIO:
-    if store != "local":
-        pytest.skip("EIO injection patches the local backend's os module")
     import chemio_py.backends.local as local
     fake = _EIO(offset, op, from_offset)
     monkeypatch.setattr(local, "os", fake)
@@ -235,13 +249,13 @@ def test_eof_error_in_the_middle_surfaces_at_that_step(store):
         _assert_quiet(f, threads, pipe)
 
 
-def test_eio_in_the_middle_surfaces_as_storage_error(store, monkeypatch):
+def test_eio_in_the_middle_surfaces_as_storage_error(disk_store, monkeypatch):
     bs = 1000
     model = _model(12)
     threads = _other_threads()
-    with cio.ExclusiveFile("eio", "w+", backend=store) as f:
+    with cio.ExclusiveFile("eio", "w+", **disk_store) as f:
         f.write(0, model)
-        fake = _inject_eio(monkeypatch, store, 8 * 2000, "read")
+        fake = _inject_eio(monkeypatch, 8 * 2000, "read")
         pipe = cio.prefetch(_reader(f, bs), range(0, N, bs), lambda: np.empty(bs), depth=3)
         got = []
         with pytest.raises(StorageError) as ei:
@@ -271,17 +285,19 @@ def test_write_behind_writes_everything(store, depth):
         assert np.array_equal(f.read(0, np.empty(N)), model)
         st = wb.stats
         assert st.ops == len(blocks) and st.bytes == model.nbytes
-        assert st.io_seconds >= st.wait_seconds >= 0
+        assert 0 < st.io_seconds and st.wait_seconds <= st.io_seconds
+        if depth == 0:
+            assert st.wait_seconds > 0          # each submit waited for its own write
         with pytest.raises(cio.ChemIOError, match="closed"):
             wb.submit(f.awrite, 0, blocks[0])
 
 
-def test_write_behind_eio_surfaces_and_sticks(store, monkeypatch):
+def test_write_behind_eio_surfaces_and_sticks(disk_store, monkeypatch):
     bs = 1000
     model = _model(30)
     threads = _other_threads()
-    with cio.ExclusiveFile("wbeio", "w+", backend=store) as f:
-        fake = _inject_eio(monkeypatch, store, 8 * 2000, "write")
+    with cio.ExclusiveFile("wbeio", "w+", **disk_store) as f:
+        fake = _inject_eio(monkeypatch, 8 * 2000, "write")
         submitted = 0
         with pytest.raises(StorageError) as ei:
             with WriteBehind(depth=2) as wb:
@@ -328,8 +344,8 @@ def test_accounting_adds_up(store, depth):
         st = pipe.stats
         assert st.ops == 8 == f.stats.reads - r0
         assert st.bytes == model.nbytes == f.stats.bytes_read - b0
-        assert st.io_seconds >= st.wait_seconds >= 0
-        assert 0.0 <= st.efficiency <= 1.0
+        assert 0 < st.wait_seconds <= st.io_seconds    # the first read is always waited for
+        assert st.efficiency == pytest.approx(1 - st.wait_seconds / st.io_seconds)
         if depth == 0:
             assert st.efficiency < 0.05            # the consumer waited for every byte
         total = stats.for_pipeline(f"acct-{store}-{depth}", "read-ahead")
@@ -337,6 +353,61 @@ def test_accounting_adds_up(store, depth):
         assert f"acct-{store}-{depth}" in cio.report(print_it=False)
         names = {p["pipeline"] for p in stats.snapshot()["pipelines"]}
         assert f"acct-{store}-{depth}" in names
+
+
+SLOW = 0.05                     # seconds each deliberately slow read or write takes
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_read_ahead_waits_measured_against_known_sleeps(depth):
+    """Reads that take a known time: without read-ahead the consumer waits for all of
+    them, whole; with it, at least for the first. A deliberately slow consumer (2 x SLOW
+    per step) has that time counted as compute, and waits plus compute fit in the loop."""
+    def slow_read(key, buf):
+        time.sleep(SLOW)
+        buf[:] = key
+
+    n = 6
+    pipe = cio.prefetch(slow_read, range(n), lambda: np.empty(4), depth=depth, blocking=True)
+    t0 = time.perf_counter()
+    for k, buf in pipe:
+        assert (buf == k).all()
+        if depth:
+            time.sleep(2 * SLOW)
+    wall = time.perf_counter() - t0
+    st = pipe.stats
+    assert st.ops == n and st.io_seconds >= n * SLOW
+    assert st.wait_seconds <= st.io_seconds and st.wait_seconds <= wall
+    if depth == 0:
+        assert st.wait_seconds >= n * SLOW      # every read, waited for whole
+    else:
+        assert st.wait_seconds >= SLOW          # the first read has nothing to hide behind
+        assert st.compute_seconds >= n * 2 * SLOW
+        assert st.wait_seconds + st.compute_seconds <= wall
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_write_behind_waits_measured_against_known_sleeps(depth):
+    """Writes that take a known time, submitted as fast as possible: with at most ``depth``
+    in flight they take SLOW * ceil(n / depth) at least, and the producer, which does
+    nothing else, spends most of that waiting (in ``submit`` and at the final drain)."""
+    def slow_write(buf):
+        time.sleep(SLOW)
+        return buf.nbytes
+
+    n = 6
+    t0 = time.perf_counter()
+    with WriteBehind(depth=depth) as wb:
+        for i in range(n):
+            wb.submit(requests.submit, slow_write, np.full(4, i))
+    wall = time.perf_counter() - t0
+    st = wb.stats
+    assert st.ops == n and st.io_seconds >= n * SLOW
+    # in flight at most `depth` at once: the writes end by SLOW * ceil(n / depth)
+    assert wall >= SLOW * -(-n // depth)
+    # ... and the producer, which does nothing else, spends that time waiting for them
+    assert st.wait_seconds >= 0.5 * SLOW * -(-n // depth)
+    assert st.wait_seconds <= min(st.io_seconds, wall)
 
 
 def test_trace_tracks_and_timeline_plot(tmp_path):
@@ -365,8 +436,7 @@ def test_trace_tracks_and_timeline_plot(tmp_path):
 # ---------------------------------------------------------------- DiskArray.iter_blocks
 
 def _create(name, shape, dtype, store, **kw):
-    """A scratch DiskArray on ``store`` (skips where DiskArray or the backend's arrays are not)."""
-    pytest.importorskip("chemio_py.diskarray")
+    """A scratch DiskArray on ``store`` (skips where the backend's arrays are not)."""
     try:
         return cio.DiskArray.create(name, shape, dtype, backend=store, **kw)
     except cio.BackendUnavailableError as e:
@@ -431,10 +501,12 @@ def test_iter_blocks_early_break(store):
 
 
 @pytest.mark.parametrize("out_dtype", [None, np.float32])
-def test_iter_blocks_eio_surfaces(store, monkeypatch, out_dtype):
+def test_iter_blocks_eio_surfaces(disk_store, monkeypatch, out_dtype, tmp_path):
     model = np.random.default_rng(62).random((64, 16384))      # 8 chunks of 1 MiB
     threads = _other_threads()
-    d = _create("ibeio", model.shape, model.dtype, store, chunks=(8, 16384))
+    where = {"path": tmp_path} if "dir" in disk_store else {}   # auto: on disk, not in RAM
+    d = _create("ibeio", model.shape, model.dtype, disk_store["backend"], chunks=(8, 16384),
+                **where)
     try:
         d[0:64, 0:16384] = model
         d.flush()
@@ -444,7 +516,7 @@ def test_iter_blocks_eio_surfaces(store, monkeypatch, out_dtype):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        fake = _inject_eio(monkeypatch, store, None, "read", from_offset=model.nbytes // 2)
+        fake = _inject_eio(monkeypatch, None, "read", from_offset=model.nbytes // 2)
         got = []
         pipe = d.iter_blocks(axis=0, size=8, depth=2, out_dtype=out_dtype)
         with pytest.raises(StorageError) as ei:

@@ -3,12 +3,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import chemio_py as cio
-from chemio_py import config, stats
+from chemio_py import config, requests, stats
 from chemio_py.config import ConfigError
 
 
@@ -132,15 +133,31 @@ def test_mpi_exclusive_files_are_private_and_cleaned(mpirun, scratch_root):
 
 
 def test_stats_count_ops_bytes_and_waits():
+    """Waits are the caller's blocked time: an awrite queued behind a known 0.3 s task on
+    the only I/O thread is waited for at least that long, and that queue time is wait,
+    not I/O time."""
     stats.reset()
-    with cio.ExclusiveFile("counted", "w+") as fh:
-        fh.write(0, bytes(1000))
-        fh.awrite(1000, bytes(500)).wait()
-        fh.read(0, bytearray(1500))
-        st = fh.stats.as_dict()
-        fh.delete()
+    sleep = 0.3
+    cio.configure(io_threads=1)
+    try:
+        t_start = time.perf_counter()
+        with cio.ExclusiveFile("counted", "w+") as fh:
+            fh.write(0, bytes(1000))
+            t0 = time.perf_counter()
+            blocker = requests.submit(time.sleep, sleep)     # holds the only pool thread
+            fh.awrite(1000, bytes(500)).wait()
+            queued = time.perf_counter() - t0
+            blocker.wait()
+            fh.read(0, bytearray(1500))
+            st = fh.stats.as_dict()
+            fh.delete()
+        wall = time.perf_counter() - t_start
+    finally:
+        cio.configure(io_threads=None)
     assert (st["reads"], st["writes"], st["bytes_read"], st["bytes_written"]) == (1, 2, 1500, 1500)
-    assert st["io_seconds"] > 0 and st["wait_seconds"] >= 0
+    assert queued >= sleep                           # the write waited behind the sleep
+    assert sleep * 0.5 <= st["wait_seconds"] <= wall
+    assert 0 < st["io_seconds"] < st["wait_seconds"]    # time in the queue is not I/O time
     text = cio.report(print_it=False)
     assert "counted.0" in text and "total" in text
 
@@ -158,14 +175,89 @@ def test_trace_file_is_chrome_json(tmp_path):
     assert any(e["tid"].startswith("chemio-io") for e in events)
 
 
+def _direct_fds(path: str) -> list[int]:
+    """This process's descriptors open on ``path`` with O_DIRECT (from /proc/self/fdinfo)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != path:
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as fh:
+                flags = next(int(line.split()[1], 8) for line in fh if line.startswith("flags:"))
+        except (OSError, StopIteration):
+            continue                                   # closed meanwhile (or the listing's own)
+        if flags & os.O_DIRECT:
+            found.append(int(fd))
+    return found
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache now: mincore on a fresh, untouched mapping."""
+    import ctypes
+    import mmap
+    size = os.path.getsize(path)
+    if not size:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        addr = np.frombuffer(mm, np.uint8).ctypes.data
+        vec = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
+        if libc.mincore(ctypes.c_void_p(addr), size, vec.ctypes.data) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return int((vec & 1).sum())
+    finally:
+        mm.close()
+
+
+def _o_direct_refused(d: str) -> str | None:
+    """Why the file system of ``d`` cannot show whether I/O bypassed the page cache, or None."""
+    probe = os.path.join(d, "o_direct_probe")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as e:
+        return f"the file system of {d} refuses O_DIRECT ({os.strerror(e.errno)})"
+    os.close(fd)
+    os.unlink(probe)
+    fstype = cio.stat(d).fstype
+    if fstype in ("tmpfs", "ramfs"):
+        return f"{d} is on {fstype}: its data lives in the page cache, O_DIRECT or not"
+    return None
+
+
 def test_direct_io_matches_buffered(tmp_path):
-    buf = cio.aligned_empty(1 << 16, np.uint8)
-    buf[:] = np.arange(1 << 16) % 251
+    """Aligned requests go through an O_DIRECT descriptor: they leave the file's pages out
+    of the page cache (mincore), where the same I/O without ``direct`` puts them in; an
+    unaligned one goes through the cache; the bytes agree either way."""
+    why = _o_direct_refused(str(tmp_path))
+    if why:
+        pytest.skip(why)
+    n = 1 << 16
+    buf = cio.aligned_empty(n, np.uint8)
+    buf[:] = np.arange(n) % 251
+    out = cio.aligned_empty(n, np.uint8)
+    # the control: buffered I/O leaves the pages cached, so the observable below can tell
+    with cio.ExclusiveFile("buffered", "w+", dir=str(tmp_path), direct=False) as fh:
+        fh.write(0, buf)
+        assert _direct_fds(fh.path) == []
+        assert _resident_pages(fh.path) == n // 4096
+        fh.delete()
     with cio.ExclusiveFile("direct", "w+", dir=str(tmp_path), direct=True) as fh:
-        fh.write(0, buf)                         # aligned: O_DIRECT where the fs allows it
-        fh.write(100, b"unaligned")              # falls back to the page cache
-        out = cio.aligned_empty(1 << 16, np.uint8)
-        fh.read(0, out)
+        assert len(_direct_fds(fh.path)) == 1      # the store holds an O_DIRECT descriptor
+        fh.write(0, buf)                           # aligned: straight to the device
+        assert _resident_pages(fh.path) == 0
+        fh.read(0, out)                            # aligned: straight from the device
+        assert _resident_pages(fh.path) == 0
+        np.testing.assert_array_equal(out, buf)
+        fh.write(100, b"unaligned")                # falls back to the page cache ...
+        assert _resident_pages(fh.path) >= 1
+        out[:] = 0
+        fh.read(0, out)                            # ... and a direct read still sees it
         expect = buf.copy()
         expect[100:109] = np.frombuffer(b"unaligned", np.uint8)
         np.testing.assert_array_equal(out, expect)

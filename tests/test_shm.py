@@ -22,6 +22,8 @@ import chemio_py.backends as backends
 from chemio_py import config, scratch, stats
 from chemio_py.backends import auto as auto_mod
 from chemio_py.backends import shm as shm_mod
+from chemio_py.backends import ram_budget as budget_mod
+from chemio_py.backends import shm_map
 from chemio_py.errors import OutOfSpaceError
 
 MiB = 1 << 20
@@ -29,7 +31,7 @@ KiB = 1 << 10
 
 
 def shm_root() -> str:
-    return shm_mod.shm_dir()
+    return budget_mod.shm_dir()
 
 
 def private_shm_dir() -> str:
@@ -128,13 +130,13 @@ def test_second_store_remaps_when_another_grows_past_its_window(tmp_path):
     path = os.path.join(scratch.job_dir(shm_root()), "window.0")
     a = be.open_bytes(path, "w+")
     scratch.own(path)
-    old = shm_mod.MIN_MAP
-    shm_mod.MIN_MAP = 64 * KiB
+    old = shm_map.MIN_MAP
+    shm_map.MIN_MAP = 64 * KiB
     try:
         b = be.open_bytes(path, "r")
         assert b._win.length < 4 * MiB
     finally:
-        shm_mod.MIN_MAP = old
+        shm_map.MIN_MAP = old
     try:
         blob = np.random.default_rng(2).integers(0, 256, 4 * MiB, dtype=np.uint8)
         a.pwrite(0, blob)
@@ -257,9 +259,9 @@ def test_shrink_gets_in_while_another_process_reads_nonstop(tmp_path):
 
 def test_budget_names_its_terms_and_counts_segments():
     config.configure(shm_limit="256M")
-    b0 = shm_mod.ram_budget()
+    b0 = budget_mod.ram_budget()
     assert b0.limit == 256 * MiB
-    mem = shm_mod.meminfo()["MemAvailable"]
+    mem = budget_mod.meminfo()["MemAvailable"]
     with open("/proc/meminfo") as fh:                  # independent reading
         kb = next(int(ln.split()[1]) for ln in fh if ln.startswith("MemAvailable:"))
     assert abs(mem - kb * 1024) < 256 * MiB
@@ -267,11 +269,11 @@ def test_budget_names_its_terms_and_counts_segments():
     assert b0.headroom <= min(b0.terms.values()) + 1 and b0.headroom <= 256 * MiB - b0.used
     with cio.ExclusiveFile("budget", "w+", backend="shm") as f:
         f.write(0, np.zeros(3 * MiB, np.uint8))
-        b1 = shm_mod.ram_budget()
+        b1 = budget_mod.ram_budget()
         assert b1.used - b0.used >= 3 * MiB
         f.delete()
     config.configure(shm_limit="10%")
-    b2 = shm_mod.ram_budget()
+    b2 = budget_mod.ram_budget()
     room = [x for x in (b2.mem_available, b2.cgroup.free if b2.cgroup else None) if x]
     assert b2.limit == int((min(room) + b2.used) * 0.10)
     config.configure(shm_limit="100M")             # stat(): free = headroom, total = limit
@@ -311,7 +313,7 @@ def test_cgroup_v1_and_v2_limits_are_found_up_the_tree(tmp_path):
         "sys/memory/job/step/memory.limit_in_bytes": str(16 << 30),
         "sys/memory/job/step/memory.usage_in_bytes": str(1 << 30),
     })
-    cg = shm_mod.cgroup_memory(str(v1 / "proc"), str(v1 / "sys"))
+    cg = budget_mod.cgroup_memory(str(v1 / "proc"), str(v1 / "sys"))
     assert cg.version == "v1" and cg.path.endswith("memory/job")
     assert cg.limit == 8 << 30 and cg.free == 2 << 30
     # v2: memory.max "max" at the leaf, a limit above it
@@ -324,20 +326,20 @@ def test_cgroup_v1_and_v2_limits_are_found_up_the_tree(tmp_path):
         "sys/user.slice/job.scope/memory.max": "max\n",
         "sys/user.slice/job.scope/memory.current": str(1 << 29),
     })
-    cg = shm_mod.cgroup_memory(str(v2 / "proc"), str(v2 / "sys"))
+    cg = budget_mod.cgroup_memory(str(v2 / "proc"), str(v2 / "sys"))
     assert cg.version == "v2" and cg.path.endswith("user.slice")
     assert cg.free == 3 << 30
     # inside a cgroup namespace the listed path does not exist: the mounted root is ours
     ns = tmp_path / "ns"
     _write_tree(ns, {"proc": "0::/../../elsewhere\n", "sys/memory.max": str(1 << 30),
                      "sys/memory.current": str(1 << 28)})
-    cg = shm_mod.cgroup_memory(str(ns / "proc"), str(ns / "sys"))
+    cg = budget_mod.cgroup_memory(str(ns / "proc"), str(ns / "sys"))
     assert cg.limit == 1 << 30 and cg.free == (1 << 30) - (1 << 28)
     # no limit anywhere
     nolim = tmp_path / "nolim"
     _write_tree(nolim, {"proc": "0::/a\n", "sys/a/memory.max": "max\n",
                         "sys/memory.max": "max\n"})
-    assert shm_mod.cgroup_memory(str(nolim / "proc"), str(nolim / "sys")) is None
+    assert budget_mod.cgroup_memory(str(nolim / "proc"), str(nolim / "sys")) is None
 
 
 BUDGET_JOB = """
