@@ -305,12 +305,13 @@ def _join(path: str) -> bool:
     job (it writes the marker right after mkdir): it gets the marker. A directory holding
     other things without a marker was not made by this chemio; it is used, never marked.
     """
-    if os.path.lexists(os.path.join(path, MARKER_NAME)):
+    names = os.listdir(path)            # the maker may write the marker at any moment
+    if MARKER_NAME in names:
         return True
-    if all(n.startswith(LEASE_PREFIX) for n in os.listdir(path)):
+    if all(n.startswith(LEASE_PREFIX) for n in names):
         _write_marker(path)
         return True
-    return False
+    return os.path.lexists(os.path.join(path, MARKER_NAME))
 
 
 def job_dir(root: str, jobid: str | None = None) -> str:

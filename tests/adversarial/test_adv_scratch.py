@@ -581,3 +581,47 @@ def test_other_bad_names_say_what_was_found():
         with pytest.raises(InvalidNameError, match=word):
             scratch.validate_name(bad)
     assert scratch.validate_name("fock.aoints+1_a-b") == "fock.aoints+1_a-b"
+
+
+
+def test_a_rank_joining_while_the_marker_is_written_counts_the_dir_as_marked(tmp_path,
+                                                                            monkeypatch):
+    """The race, made deterministic: the maker writes the marker just after the joiner
+    looked for it. The joiner took the dir for a foreign one (unmarked), and the last
+    process out then left a lone marker behind (10 of 40 real 2-rank runs)."""
+    d = tmp_path / "chemio-job"
+    d.mkdir()
+    (d / (scratch.LEASE_PREFIX + "vm.1")).write_text("{}")      # the maker's lease
+    real = os.path.lexists
+
+    def marker_appears_after_the_look(path):
+        seen = real(path)
+        if path.endswith(scratch.MARKER_NAME) and not seen:
+            scratch._write_marker(str(d))                         # the maker, just after
+        return seen
+    monkeypatch.setattr(scratch.os.path, "lexists", marker_appears_after_the_look)
+    assert scratch._join(str(d)) is True
+    monkeypatch.undo()
+    assert sorted(os.listdir(d)) == sorted([scratch.MARKER_NAME, scratch.LEASE_PREFIX + "vm.1"])
+
+
+def test_ranks_joining_as_the_dir_is_made_leave_nothing_behind(tmp_path):
+    """A rank that joined while another had made the dir but not yet marked it took the
+    dir for a foreign one and the last process out left a lone marker (10 of 40 runs)."""
+    import sys
+    from conftest import mpiexec_path
+    body = tmp_path / "body.py"
+    body.write_text("import os, chemio_py as cio\n"
+                    "c = cio.comm()\n"
+                    "f = cio.ExclusiveFile('x', 'w+')\n"
+                    "c.allgather(f.path)\n"
+                    "f.close()\n"
+                    "c.barrier()\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    env = dict(os.environ, CHEMIO_SCRATCH=str(root), SLURM_JOB_ID="78")
+    for _ in range(8):
+        p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py",
+                            str(body)], capture_output=True, text=True, timeout=60, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert os.listdir(root) == [], [os.listdir(root / d) for d in os.listdir(root)]
