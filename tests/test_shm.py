@@ -603,7 +603,7 @@ if c.rank == 1:
         sf.write(0, np.zeros(1 << 20))                           # 8 MiB > 2M budget
         print("NO-ERROR", flush=True)
     except OutOfSpaceError as e:
-        print("REFUSED", "open in other processes" in str(e), flush=True)
+        print(f"REFUSED {'open in other processes' in str(e)}", flush=True)
 c.barrier()
 other = 1 - c.rank
 assert np.all(sf.read(other * 65536, np.empty(8192)) == float(other))   # data intact

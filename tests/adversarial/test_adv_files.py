@@ -149,7 +149,13 @@ def test_diskarray_refuses_object_data():
 READER = """
 import sys, time, numpy as np, chemio_py as cio
 path, seconds = sys.argv[1], float(sys.argv[2])
-d = cio.DiskArray.open(path, "r")
+for attempt in range(200):             # it may be between a re-create's two files right now
+    try:
+        d = cio.DiskArray.open(path, "r")
+        break
+    except cio.ChemIOError:
+        time.sleep(0.01)
+# (after open)
 n = errors = 0
 t_end = time.time() + seconds
 while time.time() < t_end:
@@ -199,8 +205,7 @@ def test_reader_of_a_file_truncated_behind_its_back_gets_an_error(tmp_path):
     a.flush()
     path = a.path
     a.close()
-    code = READER.replace('d = cio.DiskArray.open(path, "r")', textwrap.dedent('''
-        d = cio.DiskArray.open(path, "r")
+    code = READER.replace("# (after open)", textwrap.dedent('''
         d[10:300, 10:300]                           # the pages are cached: the mapped path
         import os
         size = os.path.getsize(path)
