@@ -1859,6 +1859,24 @@ def _dump(ctx: Ctx, elapsed: float, final: bool) -> None:
     os.replace(out + ".tmp", out)
 
 
+def _verify_and_end(t: Any, ctx: Any, obj: Any, attr: str, kind: str, end: str) -> None:
+    """Verify a collective object against its model, then end it (``destroy``/``close``)
+    on every rank together; errors are recorded, never raised."""
+    if getattr(obj, attr) is not None:
+        try:
+            obj.verify()
+        except Broken:
+            pass
+        except Exception as e:
+            t.exception(f"{kind}.verify", obj, e)
+    if ctx.any_rank(getattr(obj, attr) is not None) and not ctx.any_rank(getattr(obj, attr) is None):
+        try:
+            getattr(obj, end)()
+        except Exception as e:
+            t.exception(f"{kind}.{end}", obj, e)
+    setattr(obj, attr, None)
+
+
 def worker(cfg: dict) -> int:
     ctx = Ctx(cfg)
     t = ctx.t
@@ -1912,34 +1930,9 @@ def worker(cfg: dict) -> int:
         except Exception as e:
             t.exception("eaf.verify" if isinstance(obj, Eaf) else "rec.replay", obj, e)
             obj.abandon()
-    for obj in sfs.values():
-        if obj.sf is not None:
-            try:
-                obj.verify()
-            except Broken:
-                pass
-            except Exception as e:
-                t.exception("sf.verify", obj, e)
-        if ctx.any_rank(obj.sf is not None) and not ctx.any_rank(obj.sf is None):
-            try:
-                obj.destroy()
-            except Exception as e:
-                t.exception("sf.destroy", obj, e)
-        obj.sf = None
-    for obj in dras.values():
-        if obj.d is not None:
-            try:
-                obj.verify()
-            except Broken:
-                pass
-            except Exception as e:
-                t.exception("dra.verify", obj, e)
-        if ctx.any_rank(obj.d is not None) and not ctx.any_rank(obj.d is None):
-            try:
-                obj.close()
-            except Exception as e:
-                t.exception("dra.close", obj, e)
-        obj.d = None
+    for kind, objs, attr, end in (("sf", sfs, "sf", "destroy"), ("dra", dras, "d", "close")):
+        for obj in objs.values():
+            _verify_and_end(t, ctx, obj, attr, kind, end)
     _dump(ctx, elapsed, final=True)
     ctx.barrier()
     ctx.close()
