@@ -1869,7 +1869,8 @@ def _verify_and_end(t: Any, ctx: Any, obj: Any, attr: str, kind: str, end: str) 
             pass
         except Exception as e:
             t.exception(f"{kind}.verify", obj, e)
-    if ctx.any_rank(getattr(obj, attr) is not None) and not ctx.any_rank(getattr(obj, attr) is None):
+    open_here = getattr(obj, attr) is not None             # verify may have dropped it
+    if ctx.any_rank(open_here) and not ctx.any_rank(not open_here):
         try:
             getattr(obj, end)()
         except Exception as e:
