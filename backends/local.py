@@ -549,9 +549,10 @@ class LocalArrayStore(_PosixFile):
             raise StorageError(errno.EBADF, self.path, None, None, "write",
                                "the array store is open read-only")
         self._check(region, data)
-        if data.size and not (self._short_runs(region, data) and self._map_writes_safe()
-                              and self._copy_resident(region, data, True)):
-            self._move(True, region, data)
+        if data.size:
+            segs = self._short_runs(region, data)
+            if not (segs and self._map_writes_safe() and self._copy_resident(segs, data, True)):
+                self._move(True, region, data)
 
     # ------------------------------------------------------------ page-cache fast path
     def read_cached(self, region: Any, out: np.ndarray) -> bool:
@@ -560,13 +561,16 @@ class LocalArrayStore(_PosixFile):
         self._check(region, out)
         if out.size == 0:
             return True
-        return self._short_runs(region, out) and self._copy_resident(region, out, False)
+        segs = self._short_runs(region, out)
+        return bool(segs) and self._copy_resident(segs, out, False)
 
-    def _short_runs(self, region: Any, arr: np.ndarray) -> bool:
-        """True when the region's contiguous runs average under ``_BIG_SEGMENT`` bytes
-        (for long runs one system call each copies at least as fast as a mapping)."""
-        _, _, lens = self.layout.segments(region, arr.strides)
-        return bool(lens.size) and lens.sum() < _BIG_SEGMENT * lens.size
+    def _short_runs(self, region: Any, arr: np.ndarray) -> tuple | None:
+        """The region's contiguous runs (file offsets, memory offsets, lengths) when they
+        average under ``_BIG_SEGMENT`` bytes, else None (for long runs one system call
+        each copies at least as fast as a mapping)."""
+        segs = self.layout.segments(region, arr.strides)
+        lens = segs[2]
+        return segs if lens.size and lens.sum() < _BIG_SEGMENT * lens.size else None
 
     def _map_writes_safe(self) -> bool:
         if self._map_write_ok is None:
@@ -592,9 +596,10 @@ class LocalArrayStore(_PosixFile):
                     self._map = (mm, view, view.ctypes.data)
         return self._map
 
-    def _copy_resident(self, region: Any, arr: np.ndarray, write: bool) -> bool:
-        """Copy between ``region`` and ``arr`` through the mapping, if every page the
-        region touches is in the page cache (so no access can wait for the device).
+    def _copy_resident(self, segs: tuple, arr: np.ndarray, write: bool) -> bool:
+        """Copy the runs ``segs`` (from ``_short_runs``) between the file and ``arr``
+        through the mapping, if every page they touch is in the page cache (so no access
+        can wait for the device).
 
         The kernel does the copy (``process_vm_readv``/``writev`` on this process): a page
         that vanished because the file shrank behind our back makes it stop short instead
@@ -608,7 +613,7 @@ class LocalArrayStore(_PosixFile):
         if _byte_span(arr, writable=not write) is None:
             return False
         _, _, addr = m
-        d, mo, n = self.layout.segments(region, arr.strides)
+        d, mo, n = segs
         if not n.size:
             return True
         page = mmap.PAGESIZE
