@@ -52,16 +52,21 @@ def open_checked(path: str, flags: int, mode: str, perms: int = 0o600) -> int:
                 errno.EACCES: "no permission: choose a scratch directory you can write"}
         raise StorageError(e.errno, path, None, None, "open", hint.get(e.errno, "")) from e
     try:
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
-            raise StorageError(errno.EINVAL, path, None, None, "open",
-                               "it is not a regular file (a FIFO, device or directory?); "
-                               "chemio data files are regular files")
-        os.set_blocking(fd, True)
+        require_regular(fd, path)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def require_regular(fd: int, path: str) -> None:
+    """Check that ``fd`` (opened ``O_NONBLOCK``) is a regular file and make it blocking;
+    a FIFO, device or directory is a ``StorageError``."""
+    if not _stat.S_ISREG(os.fstat(fd).st_mode):
+        raise StorageError(errno.EINVAL, path, None, None, "open",
+                           "it is not a regular file (a FIFO, device or directory?); "
+                           "chemio's data files are regular files")
+    os.set_blocking(fd, True)
 
 
 def _unlink_regular(path: str) -> None:

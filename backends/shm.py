@@ -34,7 +34,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat as _stat
 import threading
 from typing import Any
 
@@ -43,7 +42,7 @@ import numpy as np
 from chemio_py import scratch
 from chemio_py.errors import ChemIOError, NodeSpanError, StorageError, _fmt_bytes
 
-from .posix import _byte_span, _bytes_view, _fallocate_keep_size
+from .posix import _byte_span, _bytes_view, _fallocate_keep_size, require_regular
 from .ram_budget import (_NO_ROOM, RamBudget, _forget_budget, _no_room, check_budget,
                          ram_budget, shm_dir)
 from .shm_lock import _Gate, _flock, _ofd_lock
@@ -450,12 +449,7 @@ def open_segment(path: str, mode: str, perms: int = 0o600) -> tuple[int, bool]:
         fd = os.open(path, _MODES[mode] | flags, perms)
         created = mode == "x+"
     try:
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
-            raise StorageError(errno.EINVAL, path, None, None, "open",
-                               "it is not a regular file (a FIFO, device or directory?); "
-                               "chemio segments are regular files")
-        os.set_blocking(fd, True)
+        require_regular(fd, path)
         _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
         if mode == "w+" and not created:
             _flock(fd, fcntl.LOCK_EX)
