@@ -205,6 +205,10 @@ class Capabilities:
     byte_addressable: bool = False
 
 
+NO_CAPABILITIES = Capabilities()
+"""What a closed store offers: nothing (its methods are no longer reachable)."""
+
+
 def capabilities(store: Any) -> Capabilities:
     """The optional capabilities of an open store (see the protocols above)."""
     nat = isinstance(store, NativeAsync)
@@ -229,16 +233,23 @@ def require(backend: Any, name: str, kind: type) -> Any:
         return backend
     what = "byte files (ExclusiveFile, SharedFile, RecordFile)" if kind is ByteBackend \
         else "DiskArrays"
-    serving = [n for n in names() if n != name and _serves(n, kind)]
+    able = [n for n in serving(kind) if n != name]
     raise BackendUnavailableError(name, f"it cannot hold {what}",
-                                  f"choose one that can: {serving}")
+                                  f"choose one that can: {able}")
 
 
-def _serves(name: str, kind: type) -> bool:
-    try:
-        return isinstance(resolve(name), kind)
-    except Exception:
-        return False
+def serving(kind: type, layout: str | None = None) -> list[str]:
+    """Names of the backends usable here that serve ``kind`` (``ByteBackend`` or
+    ``ArrayBackend``) and, given ``layout``, read that array format."""
+    out = []
+    for n in names():
+        try:
+            be = resolve(n)
+        except Exception:
+            continue
+        if isinstance(be, kind) and (layout is None or layout in array_formats(be)):
+            out.append(n)
+    return out
 
 
 def register(name: str, factory: Callable[[], Any], replace: bool = False) -> None:

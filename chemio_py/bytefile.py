@@ -19,7 +19,6 @@ from .errors import (ArgumentError, ChemIOError, EndOfFileError, ModeError, Poin
                      SupersededError)
 
 MODES = ("r", "r+", "w+", "x+")
-_NO_CAPS = _backends.Capabilities()
 
 
 def check_mode(mode: Any) -> str:
@@ -242,12 +241,17 @@ class ByteFile:
     def _supersede(self, reason: str) -> list[BaseException]:
         """Close locally because the same file was created again (``handles``)."""
         self._superseded = reason
+        return self._close_local()
+
+    def _close_local(self) -> list[BaseException]:
+        """Wait for outstanding requests, close the store; the errors nobody has seen."""
         if self._store is None:
             return []
-        errors = self._pending.drain()
+        errors = self._pending.drain()          # an interrupt here leaves the file open
         store, self._store = self._store, None
-        self._caps = _NO_CAPS
+        self._caps = _backends.NO_CAPABILITIES
         store.close()
+        handles.release(self._path, self)
         return errors
 
     def _writable_store(self) -> Any:
@@ -496,15 +500,7 @@ class ByteFile:
         A request that failed and was never waited for makes this raise
         ``UnobservedIOError`` (once, the original error chained).
         """
-        store = self._store
-        if store is None:
-            return
-        errors = self._pending.drain()          # an interrupt here leaves the file open
-        self._store = None
-        self._caps = _NO_CAPS
-        store.close()
-        handles.release(self._path, self)
-        err = requests.failure(self.path, errors)
+        err = requests.failure(self.path, self._close_local())
         if err is not None:
             raise err
 

@@ -35,7 +35,6 @@ from .errors import (ArgumentError, ChemIOError, MetadataError,
                      ModeError, NotSharedError, SectionError, SupersededError)
 
 SUFFIX = ".dra"
-_NO_CAPS = _backends.Capabilities()
 META_SUFFIX = ".json"
 TASK_MIN = 4 << 20            # a task of the I/O pool moves at least this much (if there is)
 TASK_MAX = 16 << 20           # ... and at most about this much
@@ -116,14 +115,6 @@ def _persistent_paths(name: str, path: Any) -> tuple[str, str]:
     if not os.path.isdir(parent):
         raise ArgumentError(f"path={path!r}: directory {parent!r} does not exist; create it first")
     return p, p + META_SUFFIX
-
-
-def _readable_by(backend_name: str, layout: str) -> bool:
-    try:
-        be = _backends.resolve(backend_name)
-    except Exception:
-        return False
-    return isinstance(be, _backends.ArrayBackend) and layout in _backends.array_formats(be)
 
 
 def _exists_message(data: str, mpath: str) -> str:
@@ -352,8 +343,8 @@ class DiskArray:
                 be = _backends.require(_backends.resolve(be_name), be_name,
                                        _backends.ArrayBackend)
                 if m.layout not in _backends.array_formats(be):
-                    able = [n for n in _backends.names() if n != be_name and
-                            _readable_by(n, m.layout)]
+                    able = [n for n in _backends.serving(_backends.ArrayBackend, m.layout)
+                            if n != be_name]
                     raise MetadataError(
                         f"the array at {mpath!r} is in format {m.layout!r}, which backend "
                         f"{be_name!r} cannot read (it reads "
@@ -673,7 +664,7 @@ class DiskArray:
             return []
         errors = self._pending.drain()          # an interrupt here leaves the array open
         store, self._store = self._store, None
-        self._caps = _NO_CAPS
+        self._caps = _backends.NO_CAPABILITIES
         if store is not None:
             store.close()
         handles.release(self._data_path, self)
