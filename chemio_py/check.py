@@ -37,7 +37,6 @@ from . import meta as _meta
 from .errors import ChemIOError
 from .ownfiles import NotARegularFile, kind, open_regular, read_small
 
-RAW_GRID_BACKENDS = ("local", "shm", "auto", "mpiio")
 MAX_PROBLEMS = 50                 # listed one by one; the rest are counted
 MAX_ZERO_SCAN_CHUNKS = 1 << 20    # --read counts all-zero chunks up to this many chunks
 BLOCK = 4 << 20
@@ -161,9 +160,9 @@ def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool) 
         rep.notes.append(f"the metadata names its data {m.data!r}, the file checked is "
                          f"{os.path.basename(dpath)!r} (renamed?)")
     rep.facts["data"] = dpath
-    if m.backend not in RAW_GRID_BACKENDS:
-        rep.notes.append(f"backend {m.backend!r} keeps its own format: only the metadata was "
-                         f"checked")
+    if m.layout != "grid":
+        rep.notes.append(f"format {m.layout!r} (backend {m.backend!r}) is its store's own: "
+                         f"only the metadata was checked")
         return
     try:
         fd = open_regular(dpath)
