@@ -9,6 +9,7 @@ before the call returns (for debugging); errors surface at ``wait()`` in both mo
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import queue
 import threading
@@ -182,13 +183,12 @@ class TaskRun:
     and waits, whatever happens meanwhile, until none is running.
     """
 
-    __slots__ = ("_fn", "_tasks", "_cv", "_active", "_error", "request")
+    __slots__ = ("_fn", "_tasks", "_lock", "_active", "_error", "request")
 
     def __init__(self, fn: Callable[[Any], Any], tasks: Iterable[Any], stats: Any = None):
-        import collections
         self._fn = fn
         self._tasks = collections.deque(tasks)
-        self._cv = threading.Lock()
+        self._lock = threading.Lock()
         self._active = 0
         self._error: BaseException | None = None
         self.request = Request(stats)
@@ -212,9 +212,9 @@ class TaskRun:
         return self.request
 
     def _drain(self) -> None:
-        fn, tasks, cv = self._fn, self._tasks, self._cv
+        fn, tasks, lock = self._fn, self._tasks, self._lock
         while True:
-            with cv:
+            with lock:
                 self._active += 1               # before the pop: stop() sees it running
                 try:
                     task = tasks.popleft()
@@ -226,7 +226,7 @@ class TaskRun:
                 fn(task)
             except BaseException as e:  # noqa: BLE001 - delivered through the request
                 err = e
-            with cv:
+            with lock:
                 self._active -= 1
                 if err is not None:
                     tasks.clear()
