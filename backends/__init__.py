@@ -35,6 +35,8 @@ BUILTIN: dict[str, str] = {
     "local": "chemio_py.backends.local:LocalBackend",
     "shm": "chemio_py.backends.shm:ShmBackend",
     "auto": "chemio_py.backends.auto:AutoBackend",
+    "mpiio": "chemio_py.backends.mpiio:MpiioBackend",
+    "zarr": "chemio_py.backends.zarr_v3:ZarrBackend",
 }
 
 _lock = threading.Lock()
@@ -76,7 +78,8 @@ class ByteStore(Protocol):
     def flush(self) -> None:
         """Make written data durable (fdatasync or the equivalent)."""
     def close(self) -> None:
-        """Release the store; idempotent. Never a collective call."""
+        """Release the store; idempotent. Never a collective call, except for a store a
+        ``CollectiveOpen`` backend opened with ``comm`` (then see ``close_local``)."""
 
 
 @runtime_checkable
@@ -107,7 +110,8 @@ class ArrayStore(Protocol):
     def flush(self) -> None:
         """Make written data durable."""
     def close(self) -> None:
-        """Release this rank's handle; idempotent; never a collective call."""
+        """Release this rank's handle; idempotent; never a collective call, except for a
+        store a ``CollectiveOpen`` backend opened with ``comm`` (then see ``close_local``)."""
 
 
 @runtime_checkable
@@ -136,7 +140,13 @@ class ByteBackend(Backend, Protocol):
 
 @runtime_checkable
 class ArrayBackend(Backend, Protocol):
-    """A backend that holds DiskArrays."""
+    """A backend that holds DiskArrays.
+
+    Optional attributes: ``array_formats`` (the on-disk formats it reads, the one it
+    creates first; default ``("grid",)``) and ``array_options`` (the names of the extra
+    keywords its ``open_array`` takes, which ``DiskArray.create/open(**options)`` pass on;
+    default none).
+    """
 
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
                    **options: Any) -> ArrayStore:
@@ -189,6 +199,55 @@ class NonBlockingRead(Protocol):
 class CachedRead(Protocol):
     def read_cached(self, region: Region, out: Any) -> bool:
         """Fill ``out`` only when that needs no device I/O; say whether it did."""
+
+
+@runtime_checkable
+class CollectiveOpen(Protocol):
+    """A backend whose stores are opened and closed by all ranks together (MPI-IO, or a
+    store that must know its writers, like ``zarr``).
+
+    The user layer calls ``open_bytes(path, mode, comm=comm)`` / ``open_array(path, mode,
+    ..., comm=comm)`` on **every rank** of ``comm`` (a ``chemio_py.comm.Comm``; ``comm.mpi``
+    is its mpi4py communicator, None when serial) at the same time with the same arguments.
+    ``w+``/``x+`` create: the backend makes the object once (say on rank 0) and every rank
+    opens it. The call returns on every rank or raises on every rank (run rank-local steps
+    inside ``comm.agree``). ``comm=None`` means a private store of this process only (an
+    ExclusiveFile). The store's ``close()`` is then collective over ``comm``;
+    ``close_local()`` never is: it releases this process's resources without waiting for
+    any other rank (``__del__``, interpreter exit, error paths) and may warn.
+    """
+
+    collective_open: bool
+
+
+@runtime_checkable
+class SelfDescribing(Protocol):
+    """An array backend whose on-disk object carries its own metadata (``zarr``): the user
+    layer writes no ``<data>.json`` beside it, passes its metadata document to
+    ``open_array(..., attributes=doc)`` on creation and reads it back with ``describe``."""
+
+    suffix: str
+    """The name ending of objects it creates (``".zarr"``); ``DiskArray`` data uses ``.dra``."""
+
+    def describe(self, path: str) -> dict:
+        """The array at ``path`` as ``{"shape", "dtype", "chunks", "attributes"}`` (the
+        ``attributes`` a creation passed, ``{}`` for arrays written by others), after
+        checking the backend's own metadata as untrusted input (``MetadataError``)."""
+    def recognizes(self, path: str) -> bool:
+        """True when ``path`` holds an array of this backend's format (cheap; no errors)."""
+
+
+def is_collective(backend: Any) -> bool:
+    """Whether ``backend`` opens and closes its stores collectively (``CollectiveOpen``)."""
+    return getattr(backend, "collective_open", False) is True
+
+
+def close_local(store: Any) -> None:
+    """Release ``store`` without any collective call: ``close_local()`` when it has one,
+    else ``close()`` (which the contract says is never collective for the stores of a
+    backend that is not ``CollectiveOpen``)."""
+    local = getattr(store, "close_local", None)
+    local() if local is not None else store.close()
 
 
 @dataclass(frozen=True)

@@ -243,16 +243,25 @@ class ByteFile:
         self._superseded = reason
         return self._close_local()
 
-    def _close_local(self) -> list[BaseException]:
-        """Wait for outstanding requests, close the store; the errors nobody has seen."""
+    def _close_local(self, together: bool = False) -> list[BaseException]:
+        """Wait for outstanding requests, close the store; the errors nobody has seen.
+        Only with ``together`` (every rank of the store's communicator is closing now) may
+        the store's close be a collective call."""
         if self._store is None:
             return []
         errors = self._pending.drain()          # an interrupt here leaves the file open
         store, self._store = self._store, None
         self._caps = _backends.NO_CAPABILITIES
-        store.close()
+        if together:
+            store.close()
+        else:
+            _backends.close_local(store)
         handles.release(self._path, self)
         return errors
+
+    def _release(self) -> BaseException | None:
+        """Close this process's handle without any collective call (``cio.cleanup``)."""
+        return requests.failure(self.path, self._close_local())
 
     def _writable_store(self) -> Any:
         st = self._open_store()
@@ -500,7 +509,7 @@ class ByteFile:
         A request that failed and was never waited for makes this raise
         ``UnobservedIOError`` (once, the original error chained).
         """
-        err = requests.failure(self.path, self._close_local())
+        err = requests.failure(self.path, self._close_local(together=True))
         if err is not None:
             raise err
 
@@ -514,7 +523,7 @@ class ByteFile:
         if getattr(self, "_store", None) is not None:
             try:
                 self._pending.drain()
-                self._store.close()
+                _backends.close_local(self._store)
             except Exception:
                 pass
 

@@ -196,6 +196,99 @@ def parse_limit(text: str, whole: int) -> int:
     return value
 
 
+_HINTS_ACCEPTED = ("expected MPI-IO hints as 'key=value,key=value' (or a TOML table of strings); "
+                   "keys and values are plain words such as romio_cb_write=enable")
+_HINT_WORD = re.compile(r"^[A-Za-z0-9_.:/+-]{1,255}$", re.ASCII)
+
+
+def _parse_hints(v: Any) -> dict[str, str]:
+    """MPI-IO hints: ``"key=value,key=value"`` or a mapping of strings (TOML table)."""
+    if v is None:
+        return {}
+    if isinstance(v, str):
+        pairs = []
+        for item in v.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"{_HINTS_ACCEPTED}; {item!r} has no '='")
+            pairs.append((key.strip(), value.strip()))
+    elif isinstance(v, dict):
+        pairs = list(v.items())
+    else:
+        raise ValueError(f"{_HINTS_ACCEPTED}, not a {type(v).__name__}")
+    out = {}
+    for key, value in pairs:
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        elif _is_int(value):
+            value = str(value)
+        if not (isinstance(key, str) and isinstance(value, str)
+                and _HINT_WORD.fullmatch(key) and _HINT_WORD.fullmatch(value)):
+            raise ValueError(f"{_HINTS_ACCEPTED}; got {_show(key)}={_show(value)}")
+        out[key] = value
+    return out
+
+
+COMPRESSORS = ("zstd", "blosc")
+_COMPRESSOR_ACCEPTED = ("expected 'none', 'zstd[:level]' or 'blosc[:cname[:level[:shuffle]]]' "
+                        "(shuffle: noshuffle, shuffle, bitshuffle), or a TOML table such as "
+                        "{id = 'zstd', level = 5}")
+_BLOSC_NAMES = ("blosclz", "lz4", "lz4hc", "zlib", "zstd")
+_SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
+
+
+def _parse_compressor(v: Any) -> dict | None:
+    """A compressor for array backends that compress (``zarr``), as a normalised dict
+    (``{"id": "zstd", "level": 3}``, ``{"id": "blosc", "cname": "lz4", "level": 5,
+    "shuffle": "shuffle"}``) or None for no compression."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        parts = [p.strip().lower() for p in v.split(":")]
+        if parts == ["none"] or parts == [""]:
+            return None
+        d: dict[str, Any] = {"id": parts[0]}
+        keys = {"zstd": ("level",), "blosc": ("cname", "level", "shuffle")}.get(parts[0], ())
+        if len(parts) - 1 > len(keys):
+            raise ValueError(_COMPRESSOR_ACCEPTED)
+        d.update(zip(keys, parts[1:]))
+    elif isinstance(v, dict):
+        d = {str(k): (x.lower() if isinstance(x, str) else x) for k, x in v.items()}
+    else:
+        raise ValueError(f"{_COMPRESSOR_ACCEPTED}, not a {type(v).__name__}")
+    cid = d.get("id")
+    if cid not in COMPRESSORS:
+        raise ValueError(f"unknown compressor {_show(cid)}; {_COMPRESSOR_ACCEPTED}")
+    allowed = {"zstd": {"id", "level"}, "blosc": {"id", "cname", "level", "shuffle"}}[cid]
+    if set(d) - allowed:
+        raise ValueError(f"{cid} takes {sorted(allowed - {'id'})}, not "
+                         f"{sorted(set(d) - allowed)}")
+    level = d.get("level", 3 if cid == "zstd" else 5)
+    try:
+        level = int(level) if not isinstance(level, bool) else None
+    except (TypeError, ValueError):
+        level = None
+    lo, hi = (-7, 22) if cid == "zstd" else (0, 9)
+    if level is None or not lo <= level <= hi:
+        raise ValueError(f"{cid} level must be a whole number from {lo} to {hi}, "
+                         f"got {_show(d.get('level'))}")
+    out: dict[str, Any] = {"id": cid, "level": level}
+    if cid == "blosc":
+        cname = d.get("cname", "zstd")
+        shuffle = d.get("shuffle", "shuffle")
+        if cname not in _BLOSC_NAMES:
+            raise ValueError(f"blosc cname must be one of {list(_BLOSC_NAMES)}, "
+                             f"got {_show(cname)}")
+        if shuffle not in _SHUFFLES:
+            raise ValueError(f"blosc shuffle must be one of {list(_SHUFFLES)}, "
+                             f"got {_show(shuffle)}")
+        out.update(cname=cname, shuffle=shuffle)
+    return out
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str
@@ -227,7 +320,15 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
          "keep scratch files at exit for inspection"),
     Spec("direct", "CHEMIO_DIRECT", lambda: False, _parse_bool,
          "use O_DIRECT for aligned requests on the local backend"),
+    Spec("mpiio_hints", "CHEMIO_MPIIO_HINTS", dict, _parse_hints,
+         "extra MPI-IO hints for the mpiio backend: 'key=value,key=value'"),
+    Spec("compressor", "CHEMIO_COMPRESSOR", lambda: None, _parse_compressor,
+         "compression of arrays on backends that compress (zarr): 'none', 'zstd[:level]', "
+         "'blosc[:cname[:level[:shuffle]]]'"),
 ]}
+
+# Settings that a [files."pattern"] rule of the TOML file may set per file name.
+PER_FILE = ("backend", "compressor")
 
 # What configure() takes besides the settings: config passes these values on to the hooks
 # that subscribed to them and keeps nothing (the communicator lives in chemio_py.comm).
@@ -521,26 +622,35 @@ def file_rules() -> list[tuple[str, dict, str]]:
     for pattern, values in files.items():
         if not isinstance(values, dict):
             raise ConfigError(f"[files.{pattern!r}] in {path!r} must be a table")
-        bad = set(values) - {"backend"}
+        bad = set(values) - set(PER_FILE)
         if bad:
             raise ConfigError(f"[files.{pattern!r}] in {path!r} has unknown keys {sorted(bad)}; "
-                              f"known: ['backend']")
+                              f"known: {list(PER_FILE)}")
         source = f"file:{path} [files.\"{pattern}\"]"
-        if "backend" in values:
-            values = {**values, "backend": _parse(SPECS["backend"], values["backend"], source)}
+        values = {k: _parse(SPECS[k], v, source) for k, v in values.items()}
         out.append((pattern, values, source))
     return out
+
+
+def setting_for(key: str, name: str | None, explicit: Any = None) -> Setting:
+    """The value of per-file setting ``key`` for a file called ``name``: ``explicit`` (an
+    argument) if given, else the first matching ``[files]`` rule, else the setting."""
+    if key not in PER_FILE:
+        raise KeyError(f"{key!r} is not a per-file setting; those are {list(PER_FILE)}")
+    if explicit is not None:
+        return Setting(key, _parse(SPECS[key], explicit, "argument"), "argument")
+    if name is not None:
+        for pattern, values, source in file_rules():
+            if key in values and fnmatch.fnmatchcase(name, pattern):
+                return Setting(key, values[key], source)
+    return get_setting(key)
 
 
 def backend_for(name: str | None, explicit: str | None = None) -> Setting:
     """Which backend a file of this name uses, and which rule decided it."""
     if explicit is not None:
         return Setting("backend", explicit, "argument")
-    if name is not None:
-        for pattern, values, source in file_rules():
-            if "backend" in values and fnmatch.fnmatchcase(name, pattern):
-                return Setting("backend", str(values["backend"]), source)
-    return get_setting("backend")
+    return setting_for("backend", name)
 
 
 def reset() -> None:

@@ -100,21 +100,80 @@ class _Releaser:
     def __init__(self, owner: "DiskArray"):
         self.owner = owner
 
-    def close(self) -> None:
-        self.owner._release()
+    def _release(self) -> BaseException | None:
+        return self.owner._release()
 
 
-def _persistent_paths(name: str, path: Any) -> tuple[str, str]:
+def _new_paths(be: Any, name: str, path: Any, keep: bool, inside: bool) -> tuple[str, str]:
+    """(data path, metadata path) of a new array; the two are one for a backend that keeps
+    its metadata inside its objects (``SelfDescribing``)."""
+    suffix = be.suffix if inside else SUFFIX
+    if not keep:
+        data = os.path.join(scratch.job_dir(be.root("shared")), name + suffix)
+        return data, (data if inside else data + META_SUFFIX)
     p = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if os.path.isdir(p):
-        p = os.path.join(p, name + SUFFIX)
-    elif p.endswith(META_SUFFIX):
+    if os.path.isdir(p) and not (inside and be.recognizes(p)):
+        p = os.path.join(p, name + suffix)
+    elif p.endswith(META_SUFFIX) and not inside:
         raise ArgumentError(f"path={path!r} ends with {META_SUFFIX!r}, which names the metadata; "
                             f"give the data file path (the metadata goes to <path>{META_SUFFIX})")
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         raise ArgumentError(f"path={path!r}: directory {parent!r} does not exist; create it first")
-    return p, p + META_SUFFIX
+    return p, (p if inside else p + META_SUFFIX)
+
+
+def _check_options(be: Any, be_name: str, options: dict) -> dict:
+    """The backend options of a create/open call, if backend ``be`` takes them all."""
+    known = frozenset(getattr(be, "array_options", ()) or ())
+    bad = sorted(set(options) - known)
+    if bad:
+        takes = f"it takes {sorted(known)}" if known else "it takes none"
+        raise ArgumentError(f"backend {be_name!r} has no option {', '.join(bad)} ({takes}); "
+                            f"remove it or choose a backend that has it")
+    return dict(options)
+
+
+def _attributes(inside: bool, m: _meta.Meta) -> dict:
+    """What ``open_array`` gets on creation: the metadata document, for a backend that
+    keeps it inside the object."""
+    return {"attributes": m.to_doc()} if inside else {}
+
+
+def _record(be: Any, m: _meta.Meta, data: str, mpath: str, keep: bool, inside: bool) -> None:
+    """After creation on rank 0: write the metadata beside the data (unless the object
+    holds it) and hand scratch objects to the job's cleanup."""
+    if not keep:
+        scratch.own(data, be.remove)
+    if not inside:
+        _meta.write_atomic(mpath, _meta.dumps(m), 0o666 if keep else 0o600)
+        if not keep:
+            scratch.own(mpath)
+
+
+def _load_meta(be: Any, data: str, mpath: str) -> _meta.Meta:
+    """The metadata of an array: from inside its object, or from the file beside it."""
+    if mpath == data and isinstance(be, _backends.SelfDescribing):
+        return _meta.from_description(be.describe(data), data, be.name,
+                                      _backends.array_formats(be)[0])
+    return _meta.load(mpath)
+
+
+def _check_disjoint(c: Comm, region: tuple, what: str) -> None:
+    """Collective: raise the same ``SectionError`` on every rank when the regions of two
+    ranks overlap (a collective write has no defined last writer)."""
+    boxes = np.array(c.allgather([(s.start, s.stop) for s in region]), dtype=np.int64)
+    lo, hi = boxes[:, :, 0], boxes[:, :, 1]
+    full = (hi > lo).all(axis=1)
+    meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
+    meet &= full[:, None] & full[None, :]
+    np.fill_diagonal(meet, False)
+    if meet.any():
+        i, j = (int(k) for k in np.argwhere(meet)[0])
+        show = lambda k: "[" + ", ".join(f"{a}:{b}" for a, b in boxes[k]) + "]"
+        raise SectionError(f"{what}: the sections of rank {i} {show(i)} and rank {j} {show(j)} "
+                           f"overlap; a collective write needs disjoint sections (decide which "
+                           f"rank writes the shared part); nothing was written")
 
 
 def _exists_message(data: str, mpath: str) -> str:
@@ -127,12 +186,36 @@ def _exists_message(data: str, mpath: str) -> str:
             f"path")
 
 
-def _paths_for_open(path: Any) -> tuple[str, str | None]:
-    """(metadata path, data path or None = take it from the metadata)."""
+def _find(path: Any, backend: str | None) -> tuple[str, str, _meta.Meta]:
+    """(metadata path, data path, metadata) of the array at ``path`` (rank 0 of an open).
+
+    ``path`` is the data path or its ``.json``; without chemio metadata beside it, a
+    self-describing backend (``backend`` if given, else any that recognises it) reads the
+    metadata from inside the object."""
     p = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if p.endswith(META_SUFFIX):
-        return p, None
-    return p + META_SUFFIX, p
+    if p.endswith(META_SUFFIX) and not os.path.isdir(p):
+        m = _meta.load(p)
+        guess = p[:-len(META_SUFFIX)]
+        data = guess if os.path.exists(guess) else os.path.join(os.path.dirname(p), m.data)
+        return p, data, m
+    mpath = p + META_SUFFIX
+    if not os.path.lexists(mpath):
+        for name in ([backend] if backend else
+                     _backends.serving(_backends.ArrayBackend)):
+            try:
+                be = _backends.resolve(name)
+            except ChemIOError:
+                continue
+            if isinstance(be, _backends.SelfDescribing) and be.recognizes(p):
+                return p, p, _meta.from_description(be.describe(p), p, name,
+                                                    _backends.array_formats(be)[0])
+        if os.path.lexists(p):
+            raise MetadataError(
+                f"{p!r} has no metadata ({mpath!r} is missing) and no backend that reads "
+                f"arrays without it recognises it: an interrupted DiskArray.create leaves "
+                f"such a file; recreate the array with DiskArray.create(..., path={p!r}, "
+                f"overwrite=True) or remove it")
+    return mpath, p, _meta.load(mpath)
 
 
 # ---------------------------------------------------------------- the array
@@ -167,7 +250,7 @@ class DiskArray:
     def create(cls, name: str, shape: Any, dtype: Any, *, request_shape: Any = None,
                chunks: Any = None, backend: str | None = None, path: Any = None,
                persistent: bool = False, overwrite: bool = False,
-               comm: Any = None) -> "DiskArray":
+               comm: Any = None, **options: Any) -> "DiskArray":
         """Create an array of ``shape`` and ``dtype``, every element zero. Collective.
 
         Layout: ``chunks`` if given, else chunks shaped by ``request_shape`` (a typical
@@ -176,9 +259,12 @@ class DiskArray:
 
         Without ``path`` the array is scratch: it lives in the job's shared scratch
         directory and vanishes on ``close()`` and at exit. With ``path`` (a directory, where
-        the data goes to ``<name>.dra``, or a file path) it is persistent: its metadata is
-        written beside it (``<data>.json``) and ``DiskArray.open`` reopens it with any number
-        of ranks. An existing array there is replaced only with ``overwrite=True``.
+        the data goes to ``<name>.dra`` — ``<name>.zarr`` on ``zarr`` — or a path of its
+        own) it is persistent: its metadata is written beside it (``<data>.json``; inside
+        the object for backends that describe themselves, like ``zarr``) and
+        ``DiskArray.open`` reopens it with any number of ranks. An existing array there is
+        replaced only with ``overwrite=True``. Other keywords are options of the backend
+        (e.g. ``compressor=`` for ``zarr``); a backend refuses options it does not know.
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.create({name!r})"
@@ -202,59 +288,65 @@ class DiskArray:
                 be_name = config.backend_for(name, backend).value
                 be = _backends.require(_backends.resolve(be_name), be_name,
                                        _backends.ArrayBackend)
-                spec = (name, shape_t, dt.str, ch, be_name, keep)
+                opts = _check_options(be, be_name, options)
+                spec = (name, shape_t, dt.str, ch, be_name, keep, repr(sorted(opts.items())))
             c.same_everywhere(spec, what, lambda mine, first: (
                 f"rank {c.rank} asked for DiskArray.create{mine[:4]} on backend {mine[4]!r} "
                 f"but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass the same "
-                f"name, shape, dtype, layout and backend"))
+                f"name, shape, dtype, layout, backend and options"))
             if c.size > 1:
                 if isinstance(be, _backends.CollectiveCheck):   # e.g. shm: one node
                     with c.agree(what):
                         be.check_collective(c, what)
-            uuid = os.urandom(16).hex()
+            together = _backends.is_collective(be)
+            inside = isinstance(be, _backends.SelfDescribing)
+            perms = 0o666 if keep else 0o600
+            m = None
+            # 1. rank 0 names the object and makes it (a collective backend: every rank,
+            #    below), then records the metadata.
             with c.agree(what):
                 if c.rank == 0:
+                    data, mpath = _new_paths(be, name, path, keep, inside)
                     if keep:
-                        data, mpath = _persistent_paths(name, path)
                         if not overwrite and (be.exists(data) or os.path.lexists(mpath)):
                             raise ArgumentError(_exists_message(data, mpath))
-                        if os.path.lexists(mpath):
+                        if not inside and os.path.lexists(mpath):
                             os.unlink(mpath)           # old metadata first: never half valid
-                    else:
-                        data = os.path.join(scratch.job_dir(be.root("shared")), name + SUFFIX)
-                        mpath = data + META_SUFFIX
-                    perms = 0o666 if keep else 0o600
-                    handles.supersede(data, what)
-                    store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
-                                          perms=perms)
-                    created = True
-                    if not keep:
-                        scratch.own(data, be.remove)
                     m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch,
                                    backend=be_name, data=os.path.basename(data),
-                                   persistent=keep, uuid=uuid,
+                                   persistent=keep, uuid=os.urandom(16).hex(),
                                    created=_meta.creation_info(c.size),
                                    layout=_backends.array_formats(be)[0])
-                    _meta.write_atomic(mpath, _meta.dumps(m), perms)
-                    if not keep:
-                        scratch.own(mpath)
+                    handles.supersede(data, what)
+                    if not together:
+                        store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
+                                              perms=perms, **_attributes(inside, m), **opts)
+                        created = True
+                        _record(be, m, data, mpath, keep, inside)
             if c.size > 1:
-                data, mpath, uuid, host0 = c.bcast(
-                    (data, mpath, uuid, socket.gethostname()) if c.rank == 0 else None)
+                data, mpath, m, host0 = c.bcast(
+                    (data, mpath, m, socket.gethostname()) if c.rank == 0 else None)
                 with c.agree(what):
                     if c.rank != 0:
                         handles.supersede(data, what)
-                        store = cls._open_peer(be, data, mpath, uuid, shape_t, dt, ch, c, host0)
-            m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch, backend=be_name,
-                           data=os.path.basename(data), persistent=keep, uuid=uuid,
-                           layout=_backends.array_formats(be)[0])
+                        if not together:
+                            store = cls._open_peer(be, data, mpath, m.uuid, shape_t, dt, ch, c,
+                                                   host0, opts)
+            if together:
+                store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
+                                      perms=perms, comm=c, **_attributes(inside, m), **opts)
+                created = c.rank == 0
+                with c.agree(what):
+                    if c.rank == 0:
+                        _record(be, m, data, mpath, keep, inside)
         except BaseException:
             if store is not None:
-                store.close()
+                _backends.close_local(store)
             if created:
                 be.remove(data)
-                scratch.remove_path(mpath)          # the user layer wrote the metadata
-                for p in (data, mpath):
+                if mpath != data:
+                    scratch.remove_path(mpath)      # the user layer wrote the metadata
+                for p in {data, mpath}:
                     scratch.disown(p)
             raise
         d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
@@ -288,12 +380,12 @@ class DiskArray:
 
     @staticmethod
     def _open_peer(be: Any, data: str, mpath: str, uuid: str, shape: tuple, dt: np.dtype,
-                   ch: tuple, c: Comm, host0: str) -> Any:
+                   ch: tuple, c: Comm, host0: str, opts: dict) -> Any:
         here = f"rank {c.rank} on host {socket.gethostname()!r}"
         fix = ("set CHEMIO_SHARED_SCRATCH (or path=) to a directory on a file system that every "
                "rank mounts (NFS, Lustre, GPFS, BeeGFS...)")
         try:
-            m = _meta.load(mpath)
+            m = _load_meta(be, data, mpath)
         except MetadataError:
             if not os.path.exists(mpath):
                 raise NotSharedError(
@@ -304,17 +396,19 @@ class DiskArray:
         if m.uuid != uuid:
             raise NotSharedError(f"{here} found a different array at {data!r} than the one rank 0 "
                                  f"created on host {host0!r}: the directory is node-local; {fix}")
-        return be.open_array(data, "r+", shape=shape, dtype=dt, chunks=ch)
+        return be.open_array(data, "r+", shape=shape, dtype=dt, chunks=ch, **opts)
 
     @classmethod
     def open(cls, path: Any, mode: str = "r", *, backend: str | None = None,
-             comm: Any = None) -> "DiskArray":
-        """Open an existing array by its data file or its ``.json`` metadata. Collective.
+             comm: Any = None, **options: Any) -> "DiskArray":
+        """Open an existing array by its data path or its ``.json`` metadata. Collective.
 
         ``mode`` is ``r`` (read only) or ``r+`` (read and write). The metadata is checked
         as untrusted input (``MetadataError``); any number of ranks may open an array that
-        any number of ranks wrote. Opening a scratch array does not make this handle its
-        owner: only its creator's ``close()`` removes it.
+        any number of ranks wrote. A path without chemio metadata opens when a backend that
+        describes its own arrays recognises it (a Zarr v3 array written by anyone opens on
+        ``zarr``). Opening a scratch array does not make this handle its owner: only its
+        creator's ``close()`` removes it. Other keywords are options of the backend.
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.open({os.fspath(path)!r})"
@@ -324,24 +418,15 @@ class DiskArray:
                 if mode not in ("r", "r+"):
                     raise ModeError(f"DiskArray.open mode {mode!r} is not 'r' (read) or 'r+' "
                                     f"(read/write); create new arrays with DiskArray.create")
-                mpath, data = _paths_for_open(path)
-                if c.rank == 0 and data is not None and not os.path.lexists(mpath) \
-                        and os.path.lexists(data):
-                    raise MetadataError(
-                        f"{data!r} has no metadata ({mpath!r} is missing): an interrupted "
-                        f"DiskArray.create leaves such a file; recreate the array with "
-                        f"DiskArray.create(..., path={data!r}, overwrite=True) or remove it")
-                m = _meta.load(mpath) if c.rank == 0 else None
+                found = _find(path, backend) if c.rank == 0 else None
             if c.size > 1:
-                m = c.bcast(m)
+                found = c.bcast(found)
+            mpath, data, m = found
             with c.agree(what):
-                if data is None:
-                    guess = mpath[:-len(META_SUFFIX)]
-                    data = guess if os.path.exists(guess) else \
-                        os.path.join(os.path.dirname(mpath), m.data)
                 be_name = backend or m.backend
                 be = _backends.require(_backends.resolve(be_name), be_name,
                                        _backends.ArrayBackend)
+                opts = _check_options(be, be_name, options)
                 if m.layout not in _backends.array_formats(be):
                     able = [n for n in _backends.serving(_backends.ArrayBackend, m.layout)
                             if n != be_name]
@@ -353,10 +438,16 @@ class DiskArray:
                 if not be.exists(data):
                     raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
                                         f"{data!r} is missing; restore it or delete the metadata")
-                store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype, chunks=m.chunks)
+                together = _backends.is_collective(be)
+                if not together:
+                    store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
+                                          chunks=m.chunks, **opts)
+            if together:
+                store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
+                                      chunks=m.chunks, comm=c, **opts)
         except BaseException:
             if store is not None:
-                store.close()
+                _backends.close_local(store)
             raise
         return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
                    meta_path=mpath, mode=mode, comm=c, owner=False)
@@ -628,6 +719,8 @@ class DiskArray:
         what = f"DiskArray {self.name!r} write_all"
         with c.agree(what):
             region, src = self._prep_write(section, data, transpose)
+        if c.size > 1:
+            _check_disjoint(c, region, what)
         with c.agree(what):
             self._collective(True, region, src)
 
@@ -655,18 +748,21 @@ class DiskArray:
         if err is not None:
             raise err
 
-    def _release(self) -> BaseException | None:
-        """Close this rank's handle (waiting for its requests); not collective."""
-        return requests.failure(self.path, self._close_local())
+    def _release(self, together: bool = False) -> BaseException | None:
+        """Close this rank's handle (waiting for its requests). Only with ``together``
+        (every rank in ``close``) may the store's close be a collective call."""
+        return requests.failure(self.path, self._close_local(together))
 
-    def _close_local(self) -> list[BaseException]:
+    def _close_local(self, together: bool = False) -> list[BaseException]:
         if self._store is None:
             return []
         errors = self._pending.drain()          # an interrupt here leaves the array open
         store, self._store = self._store, None
         self._caps = _backends.NO_CAPABILITIES
-        if store is not None:
+        if together:
             store.close()
+        else:
+            _backends.close_local(store)
         handles.release(self._data_path, self)
         return errors
 
@@ -682,7 +778,7 @@ class DiskArray:
         c = self._comm
         try:
             with c.agree(f"DiskArray {self.name!r} close"):
-                err = self._release()
+                err = self._release(together=True)
                 if err is not None:
                     raise err
         finally:
@@ -705,9 +801,10 @@ class DiskArray:
                     self._remove_files()
 
     def _remove_files(self) -> None:
-        for p in (self._meta_path, self._data_path):
+        for p in {self._meta_path, self._data_path}:
             scratch.disown(p)
-        scratch.remove_path(self._meta_path)        # the user layer wrote the metadata
+        if self._meta_path != self._data_path:
+            scratch.remove_path(self._meta_path)    # the user layer wrote the metadata
         self._be.remove(self._data_path)
 
     def __enter__(self) -> "DiskArray":

@@ -228,6 +228,51 @@ def validate(doc: Any, src: str = "<document>") -> Meta:
                 layout=layout)
 
 
+def from_description(desc: Any, path: str, backend: str, layout: str) -> Meta:
+    """The ``Meta`` of an array whose backend keeps its metadata inside the object
+    (``backends.SelfDescribing.describe``): the store's shape, dtype and chunks, with the
+    chemio document it was created with (its ``attributes``) when there is one. A document
+    that contradicts the store, or an array outside what DiskArray supports, is a
+    ``MetadataError``."""
+    src = repr(path)
+    if not isinstance(desc, dict):
+        raise _bad(src, f"the backend described it as {type(desc).__name__}, not a mapping")
+    attrs = desc.get("attributes")
+    doc = dict(attrs) if isinstance(attrs, dict) and attrs.get("kind") == KIND else {}
+    base = os.path.basename(path.rstrip(os.sep)) or "array"
+    stem = re.sub(r"[^A-Za-z0-9._+-]", "_", base.rsplit(".", 1)[0] or base)[:200] or "array"
+    dtype = desc.get("dtype")
+    try:
+        dtype = np.dtype(dtype).str if dtype is not None else dtype
+    except TypeError:
+        pass
+    found = {"shape": _listed(desc.get("shape")), "chunks": _listed(desc.get("chunks")),
+             "dtype": dtype}
+    for key, value in found.items():
+        if key in doc and doc[key] != value:
+            raise _bad(src, f"its chemio attributes say {key} {doc[key]!r:.60} but the array "
+                            f"has {value!r:.60}", "the object was rewritten by another tool; "
+                            "its own description wins: remove the stale 'chemio' attributes")
+    doc.update(found)
+    doc.setdefault("format", FORMAT)
+    doc.setdefault("name", stem.replace("..", "_"))
+    doc.setdefault("persistent", True)
+    doc.pop("nbytes", None)
+    doc.update(backend=backend, layout=layout, data=_plain_name(base))
+    return validate(doc, src)
+
+
+def _listed(v: Any) -> Any:
+    return list(v) if isinstance(v, (tuple, list)) else v
+
+
+def _plain_name(base: str) -> str:
+    """A name the ``data`` key accepts (the object's own name is the path; this is a label)."""
+    if _PLAIN.match(base) and ".." not in base:
+        return base
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", base).replace("..", "_")[:255] or "array"
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 

@@ -397,7 +397,8 @@ def disown(path: str) -> None:
 
 
 def register_open(obj: Any) -> None:
-    """Track an open file-like object; cleanup() in this process closes it (``obj.close()``)."""
+    """Track an open file-like object; cleanup() in this process closes it with
+    ``obj._release()`` (which must never be a collective call), else ``obj.close()``."""
     with _lock:
         _open_objects[obj] = os.getpid()
 
@@ -442,7 +443,8 @@ def cleanup() -> None:
         objs = [o for o, who in list(_open_objects.items()) if who == pid]
     for obj in objs:
         try:
-            obj.close()
+            release = getattr(obj, "_release", None)
+            release() if release is not None else obj.close()
         except Exception:
             pass
     try:

@@ -1,7 +1,7 @@
 """Shared Files: one scratch file that every process of the job reads and writes.
 
-Creation and ``destroy()`` are collective; ``read``/``write``/``aread``/``awrite``/``size``/
-``flush`` are not. Mutual exclusion is the application's (see ``chemio_py.sync``)::
+Creation, ``close()``, ``sync()`` and ``destroy()`` are collective; ``read``/``write``/
+``aread``/``awrite``/``size``/``flush`` are not. Mutual exclusion is the application's (see ``chemio_py.sync``)::
 
     sf = cio.SharedFile("ci.vectors", soft_limit=n * 8 * nproc)     # every rank
     sf.write(rank * n * 8, block); sf.flush(); cio.comm().barrier()
@@ -28,7 +28,7 @@ from typing import Any
 
 import chemio_py.backends as _backends
 
-from . import config, handles, scratch
+from . import config, handles, requests, scratch
 from .bytefile import ByteFile, check_offset
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, LimitExceededError, NotSharedError,
@@ -113,7 +113,9 @@ class SharedFile(ByteFile):
                         be.check_collective(c, what)
             # 2. rank 0 makes the file (replacing a stale one of the same name), reserves
             #    the soft limit before anyone else opens it, and writes a random token
-            #    into a side file of the same directory.
+            #    into a side file of the same directory. A collective backend makes and
+            #    opens the file on every rank at once instead, in step 4.
+            together = _backends.is_collective(be)
             token = b""
             with c.agree(what):
                 if c.rank == 0:
@@ -124,27 +126,40 @@ class SharedFile(ByteFile):
                                             what=f"soft_limit of shared file {name!r}")
                     handles.supersede(path, f"SharedFile({name!r})")
                     be.remove(path)
-                    store = be.open_bytes(path, "x+")
-                    created = True
-                    scratch.own(path, be.remove)
-                    if reserve:
-                        store.reserve(reserve)
+                    if not together:
+                        store = be.open_bytes(path, "x+")
+                        created = True
+                        scratch.own(path, be.remove)
+                        if reserve:
+                            store.reserve(reserve)
                     if c.size > 1:
                         token = os.urandom(_TOKEN_BYTES)
                         _write_token(be, path + _TOKEN_SUFFIX, token)
+            # 3. every other rank proves it sees rank 0's directory, then opens the file.
             if c.size > 1:
-                # 3. every other rank opens rank 0's file and proves it sees the same directory.
                 path, token = c.bcast((path, token) if c.rank == 0 else None)
                 with c.agree(what):
                     if c.rank != 0:
                         handles.supersede(path, f"SharedFile({name!r})")
-                        store = _open_peer(be, path, token, c, host0)
+                        _see_token(be, path, token, c, host0)
+                        if not together:
+                            store = be.open_bytes(path, "r+")
+            # 4. a collective backend opens it on every rank together.
+            if together:
+                store = be.open_bytes(path, "x+", comm=c)
+                created = c.rank == 0
+                with c.agree(what):
+                    if c.rank == 0:
+                        scratch.own(path, be.remove)
+                        if reserve:
+                            store.reserve(reserve)
+            if c.size > 1:
                 with c.agree(what):
                     if c.rank == 0:
                         _drop_token(be, path + _TOKEN_SUFFIX)
         except BaseException:
             if store is not None:
-                store.close()
+                _backends.close_local(store)
             if created:
                 _drop_token(be, path + _TOKEN_SUFFIX)
                 be.remove(path)
@@ -211,6 +226,23 @@ class SharedFile(ByteFile):
         super().truncate(n)
 
     # ------------------------------------------------------------ lifetime
+    def sync(self) -> None:
+        """Collective: wait for this rank's requests and make every rank's writes done
+        before the call durable and visible to every rank after it (MPI-IO's
+        sync-barrier-sync; ``flush`` and a barrier on the other backends)."""
+        c = self.comm
+        with c.agree(f"SharedFile({self.name!r}).sync()"):
+            store = self._open_store()
+            err = requests.failure(self.path, self._pending.drain())
+            if err is not None:
+                raise err
+        sync_all = getattr(store, "sync_all", None)
+        if sync_all is not None:
+            sync_all()                  # collective inside the store (MPI File.Sync)
+        else:
+            with c.agree(f"SharedFile({self.name!r}).sync()"):
+                store.flush()
+
     def destroy(self) -> None:
         """Collective: every rank closes the file (waiting for its requests), then rank 0
         removes it; when it returns the file is gone for every rank. An error of an
@@ -222,8 +254,7 @@ class SharedFile(ByteFile):
         c = self.comm
         path = self.path
         try:
-            with c.agree(f"SharedFile({self.name!r}).destroy()"):
-                self.close()
+            self.close()
         finally:
             with c.agree(f"SharedFile({self.name!r}).destroy()"):
                 if c.rank == 0 and not self._replaced:
@@ -231,8 +262,13 @@ class SharedFile(ByteFile):
                     self._backend_obj.remove(path)
 
     def close(self) -> None:
-        """Close this rank's handle (not collective); the file stays until ``destroy()``."""
-        super().close()
+        """Collective: every rank waits for its requests and closes its handle; the file
+        stays until ``destroy()``. An error of an outstanding request on any rank raises
+        on every rank. Idempotent (a handle closed already takes no part)."""
+        if self._store is None:
+            return
+        with self.comm.agree(f"SharedFile({self.name!r}).close()"):
+            super().close()
 
     @property
     def path(self) -> str:
@@ -274,36 +310,29 @@ def _drop_token(be: Any, tpath: str) -> None:
     be.remove(tpath)
 
 
-def _open_peer(be: Any, path: str, token: bytes, c: Comm, host0: str) -> Any:
-    """Open rank 0's file on another rank; ``NotSharedError`` unless it is the same file."""
+def _see_token(be: Any, path: str, token: bytes, c: Comm, host0: str) -> None:
+    """On a rank other than 0: ``NotSharedError`` unless rank 0's token is readable beside
+    ``path`` here, i.e. this rank sees the same directory."""
     here = f"rank {c.rank} on host {socket.gethostname()!r}"
     fix = ("set CHEMIO_SHARED_SCRATCH to a directory on a file system that every rank "
            "mounts (NFS, Lustre, GPFS, BeeGFS...)")
-    store = ts = None
     try:
-        try:
-            store = be.open_bytes(path, "r+")
-            ts = be.open_bytes(path + _TOKEN_SUFFIX, "r")
-        except FileNotFoundError:
-            raise NotSharedError(
-                f"{here} cannot see the shared file {path!r} that rank 0 created on host "
-                f"{host0!r}: the shared scratch directory is not shared by all ranks "
-                f"(node-local?); {fix}") from None
+        ts = be.open_bytes(path + _TOKEN_SUFFIX, "r")
+    except FileNotFoundError:
+        raise NotSharedError(
+            f"{here} cannot see the shared file {path!r} that rank 0 created on host "
+            f"{host0!r}: the shared scratch directory is not shared by all ranks "
+            f"(node-local?); {fix}") from None
+    try:
         got = bytearray(len(token) + 1)
         n = ts.pread(0, got)
-        if bytes(got[:n]) != token:
-            raise NotSharedError(
-                f"{here} opened {path!r} but found a different file than the one rank 0 "
-                f"created on host {host0!r}: the shared scratch directory is node-local; "
-                f"{fix}")
-    except BaseException:
-        if store is not None:
-            store.close()
-        raise
     finally:
-        if ts is not None:
-            ts.close()
-    return store
+        ts.close()
+    if bytes(got[:n]) != token:
+        raise NotSharedError(
+            f"{here} opened {path!r} but found a different file than the one rank 0 "
+            f"created on host {host0!r}: the shared scratch directory is node-local; "
+            f"{fix}")
 
 
 def _fmt_spec(spec: tuple) -> str:

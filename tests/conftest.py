@@ -48,14 +48,26 @@ def _shm_entries() -> set[str]:
 _SHM_BEFORE = _shm_entries()
 
 
+def usable_backends(kind: type) -> list[str]:
+    """Backends usable on this machine that serve ``kind`` (ByteBackend or ArrayBackend)."""
+    return [n for n, (ok, _) in backends.availability().items()
+            if ok and isinstance(backends.resolve(n), kind)]
+
+
 def store_backends() -> list[str]:
     """Backends that can hold byte stores on this machine."""
-    return [n for n, (ok, _) in backends.availability().items() if ok]
+    return usable_backends(backends.ByteBackend)
 
 
 @pytest.fixture(params=store_backends())
 def store(request) -> str:
-    """The name of a backend; every test using it runs once per backend."""
+    """The name of a byte backend; every test using it runs once per backend."""
+    return request.param
+
+
+@pytest.fixture(params=usable_backends(backends.ArrayBackend))
+def arr_store(request) -> str:
+    """The name of an array backend; every test using it runs once per backend."""
     return request.param
 
 

@@ -13,19 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import chemio_py as cio
-import chemio_py.backends as backends
 from chemio_py.errors import (ArgumentError, ChemIOError, MetadataError, ModeError,
                               SectionError)
 
 DTYPES = ["int32", "int64", "float64", "complex128"]
-
-
-@pytest.fixture
-def arr_store(store):
-    """A backend name that can hold DiskArrays (skips the others with the reason)."""
-    if not hasattr(backends.resolve(store), "open_array"):
-        pytest.skip(f"backend {store!r} has no open_array: it cannot hold DiskArrays")
-    return store
 
 
 def rand(rng, shape, dtype):
