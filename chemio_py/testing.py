@@ -209,6 +209,28 @@ class ByteStoreTests(_Base):
         """, tmp_path, self.mpi_ranks)
 
 
+    def test_shared_file_lifecycle_under_mpiexec(self, tmp_path):
+        """sync() makes every rank's writes visible to all; close() is collective; a
+        handle left open at exit on one rank alone is released locally (no hang)."""
+        if self.mpi_ranks < 2:
+            pytest.skip("set mpi_ranks >= 2 to run the MPI cases")
+        _mpirun(self.mpi_ranks, f"""
+            import numpy as np, chemio_py as cio
+            c = cio.comm()
+            sf = cio.SharedFile("conf.life", backend={self.backend!r})
+            sf.write(c.rank * 8, np.array([c.rank + 0.5]))
+            sf.sync()
+            assert list(sf.read(0, np.empty(c.size))) == [r + 0.5 for r in range(c.size)]
+            sf.close()
+            sf.destroy()
+            left = cio.SharedFile("conf.left", backend={self.backend!r})
+            left.write(c.rank * 8, np.array([1.0]))
+            if c.rank == c.size - 1:
+                cio.cleanup()                    # exit on one rank while others hold it
+            print("ok", flush=True)
+        """, tmp_path, self.mpi_ranks)
+
+
 class ArrayStoreTests(_Base):
     """The ArrayStore contract (``backends.ArrayStore``) and DiskArrays on top of it."""
 
@@ -291,6 +313,38 @@ class ArrayStoreTests(_Base):
                 d.write_all(sec, np.full(d[sec].shape, c.rank + 1))
                 full = d.read_all(())
                 assert (full > 0).all() and full.max() == c.size
+            print("ok", flush=True)
+        """, tmp_path, ranks)
+
+
+    def test_diskarray_lifecycle_under_mpiexec(self, tmp_path):
+        """Create, write_all, close and reopen together; overlapping sections raise on
+        every rank; an array left open at exit on one rank alone is released locally."""
+        ranks = getattr(self, "mpi_ranks", 0)
+        if ranks < 2:
+            pytest.skip("set mpi_ranks >= 2 to run the MPI cases")
+        _mpirun(ranks, f"""
+            import numpy as np, chemio_py as cio
+            from chemio_py.errors import SectionError
+            c = cio.comm()
+            d = cio.DiskArray.create("life", (41, 7), "c16", chunks=(6, 4),
+                                     backend={self.backend!r}, path={str(tmp_path)!r})
+            sec = cio.block_section(d.shape)
+            d.write_all(sec, np.full(d[sec].shape, c.rank + 1j))
+            try:
+                d.write_all((), np.zeros(d.shape, "c16"))      # every rank: the whole array
+                raise SystemExit("overlapping sections were accepted")
+            except SectionError:
+                pass
+            d.close()
+            e = cio.DiskArray.open(d.path, "r", backend={self.backend!r})
+            full = e.read_all(())
+            for r, (lo, hi) in enumerate(c.allgather((sec[0].start, sec[0].stop))):
+                assert (full[lo:hi] == r + 1j).all(), (r, full[lo:hi])
+            e.close()
+            kept = cio.DiskArray.open(d.path, "r", backend={self.backend!r})
+            if c.rank == c.size - 1:
+                cio.cleanup()                    # exit on one rank while others hold it
             print("ok", flush=True)
         """, tmp_path, ranks)
 
