@@ -250,6 +250,14 @@ def close_local(store: Any) -> None:
     local() if local is not None else store.close()
 
 
+@runtime_checkable
+class WriteCheck(Protocol):
+    def check_write(self, region: Region) -> None:
+        """Raise, changing nothing, if an independent write of the whole ``region`` would
+        be unsafe (e.g. ``zarr``: it cuts a storage object other ranks may be rewriting).
+        Called once per section before it is split into tasks."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a store offers beyond the contract, found once when it opens."""
@@ -259,6 +267,7 @@ class Capabilities:
     native_write_many: Callable | None = None
     read_nowait: Callable | None = None
     read_cached: Callable | None = None
+    check_write: Callable | None = None
     write_streams: int | None = None       # concurrent writers worth having (None: any)
     collective: bool = False               # read_all/write_all are true collective I/O
     byte_addressable: bool = False
@@ -280,6 +289,7 @@ def capabilities(store: Any) -> Capabilities:
         native_write_many=store.native_write_many if many else None,
         read_nowait=store.read_nowait if isinstance(store, NonBlockingRead) else None,
         read_cached=store.read_cached if isinstance(store, CachedRead) else None,
+        check_write=store.check_write if isinstance(store, WriteCheck) else None,
         write_streams=streams if isinstance(streams, int) and streams > 0 else None,
         collective=getattr(store, "collective", False) is True,
         byte_addressable=getattr(store, "byte_addressable", False) is True)

@@ -575,6 +575,13 @@ class DiskArray:
             src = np.ascontiguousarray(src, dtype=self.dtype)
         return region, src
 
+    def _check_independent_write(self, region: tuple) -> None:
+        """The store's veto of an independent write of the whole section, if it has one
+        (before the section is split into tasks, so nothing is written when it says no)."""
+        check = self._caps.check_write
+        if check is not None:
+            check(region)
+
     # ------------------------------------------------------------ the I/O engine
     def _tasks(self, store: Any, region: tuple, arr: np.ndarray) -> list[tuple]:
         nb = _layout.region_nbytes(region, self.dtype.itemsize)
@@ -629,13 +636,7 @@ class DiskArray:
                     self._task(store, write, piece)
                 return
             run, streams = self._taskrun(store, write, tasks)
-            req = run.start(streams)
-            try:
-                req.wait()
-            except BaseException:
-                if not req.done():                       # interrupted, not failed:
-                    run.stop()                           # no I/O left in flight on our buffers
-                raise
+            run.run(streams)                             # stops its tasks before raising
         finally:
             self._stats.waited(time.perf_counter() - t0)
 
@@ -658,6 +659,7 @@ class DiskArray:
         Elements of the array outside the section, in the same chunks too, are unchanged.
         """
         region, src = self._prep_write(section, data, transpose)
+        self._check_independent_write(region)
         self._run(self._store, True, region, src)
 
     def __getitem__(self, key: Any) -> np.ndarray:
@@ -691,6 +693,7 @@ class DiskArray:
     def awrite(self, section: Any, data: Any, *, transpose: bool = False) -> requests.Request:
         """Start writing ``data`` into ``section``; leave ``data`` alone until it completes."""
         region, src = self._prep_write(section, data, transpose)
+        self._check_independent_write(region)
         return self._start(self._store, True, region, src, None)
 
     @property

@@ -99,10 +99,15 @@ def dask_chunks(chunks: tuple, shape: tuple, itemsize: int,
 
 def to_dask(d: DiskArray, chunks: Any = None) -> Any:
     """A lazy dask array over DiskArray ``d``; ``chunks`` default: whole disk chunks
-    grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing)."""
+    grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing), unless
+    its store reads without chemio (``as_dask``, e.g. ``zarr``: ``da.from_zarr`` of its
+    path, which a dask cluster whose workers only see the path can compute)."""
     import dask.array as da
     if chunks is None:
         chunks = dask_chunks(d.chunks, d.shape, d.dtype.itemsize)
+    as_dask = getattr(getattr(d, "_store", None), "as_dask", None)
+    if as_dask is not None:
+        return as_dask(chunks)
     name = f"diskarray-{d.name}-{_uuid.uuid4().hex[:12]}"
     return da.from_array(d, chunks=chunks, name=name, lock=False, fancy=False,
                          meta=np.empty((0,) * d.ndim, dtype=d.dtype))

@@ -242,13 +242,30 @@ class TaskRun:
         """Drop the tasks not started; return once none is running, whatever happens
         meanwhile (an interrupt is re-raised after). The caller takes no lock here: an
         interrupt inside a lock protocol could leave it broken for the pool threads."""
-        def idle() -> bool:
-            self._tasks.clear()
-            if self._active:
-                time.sleep(0.0005)
-                return False
-            return True
-        _uninterrupted(idle)
+        _uninterrupted(self._idle)
+
+    def _idle(self) -> bool:
+        self._tasks.clear()
+        if self._active:
+            time.sleep(0.0005)
+            return False
+        return True
+
+    def run(self, streams: int) -> None:
+        """Start the tasks and wait for them. On any exception (an interrupt, a task's
+        error) the tasks are stopped before it propagates: the caller never gets control
+        back while a task may still touch its buffers."""
+        try:
+            self.start(streams)
+            self.request.wait()
+        except BaseException:
+            while True:                 # an interrupt inside stop(): stop again
+                try:
+                    self.stop()
+                    break
+                except BaseException:  # noqa: BLE001 - the first error is raised below
+                    pass
+            raise
 
 
 class _NoRequest:
