@@ -294,6 +294,13 @@ def test_independent_partial_writes_refused_unless_locked(mpirun, tmp_path):
                 assert "write_all" in str(e) and "lock=True" in str(e)
                 print("refused", flush=True)
             assert not d.read_all(()).any()                     # nothing was written
+            if c.rank == 0:             # whole objects (rows 0:32) and part of one (32:48)
+                try:
+                    d[0:48, :] = 3
+                    raise SystemExit("a partial write was accepted")
+                except ArgumentError:
+                    pass
+            assert not d.read_all(()).any()                     # not even the whole ones
             d[32 * c.rank:32 * (c.rank + 1), :] = 5             # whole objects: fine
             c.barrier()
             assert (d.read_all(()) == 5).all()
