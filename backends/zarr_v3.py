@@ -124,6 +124,23 @@ class ZarrArrayStore:
     def __repr__(self) -> str:
         return f"<ZarrArrayStore {self.path!r} shape={self.shape} chunks={self.chunks}>"
 
+    @property
+    def compression(self) -> str | None:
+        """The codec for a reader (``"zstd level 3"``, ``"blosc lz4 level 5 shuffle"``,
+        sharding's inner chunks too), None when the objects are not compressed."""
+        c = zf.compressor_of(self.meta)
+        shard = self.meta.shard
+        inner = f", shards of inner chunks {tuple(shard.inner)}" if shard else ""
+        if c is None:
+            return f"none{inner}" if inner else None
+        if c["id"] == "zstd":
+            text = f"zstd level {c['level']}"
+        elif c["id"] == "blosc":
+            text = f"blosc {c['cname']} level {c['level']} {c['shuffle']}"
+        else:
+            text = c["id"]
+        return text + inner
+
     # ------------------------------------------------------------ helpers
     def _where(self, index: tuple) -> str:
         return f"{os.path.join(self.path, self.meta.key(index))}"

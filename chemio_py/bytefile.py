@@ -7,6 +7,7 @@ subclasses decide where the file lives and who may create or destroy it.
 from __future__ import annotations
 
 import operator
+import os
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 
 import chemio_py.backends as _backends
 
-from . import handles, requests, scratch, stats
+from . import handles, reprs, requests, scratch, stats
 from .errors import (ArgumentError, ChemIOError, EndOfFileError, ModeError, PointerBufferError,
                      SupersededError)
 
@@ -527,6 +528,27 @@ class ByteFile:
             except Exception:
                 pass
 
+    def _size_or_none(self) -> int | None:
+        store = self._store
+        try:
+            return store.size() if store is not None else None
+        except Exception:       # a repr never raises
+            return None
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"mode {self._mode!r}"
-        return f"<{type(self).__name__} {self.path!r} {state} backend={self.backend}>"
+        size = self._size_or_none()
+        shown = "" if size is None else f" size={size}"
+        return f"<{type(self).__name__} {self.path!r} {state}{shown} backend={self.backend}>"
+
+    def _html_rows(self) -> list[tuple[str, object]]:
+        return [("size", reprs.size_text(self._size_or_none())),
+                ("on disk", reprs.size_text(reprs.disk_usage(self.path))),
+                ("backend", self.backend),
+                ("state", "closed" if self.closed else f"open, mode {self._mode!r}"),
+                ("open requests", len(self._pending)), ("path", self.path)]
+
+    def _repr_html_(self) -> str:
+        """The notebook view: size, bytes on disk, backend, state, open requests, path."""
+        return reprs.table(f"{type(self).__name__} {os.path.basename(self.path)!r}",
+                           self._html_rows())

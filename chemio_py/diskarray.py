@@ -28,7 +28,7 @@ import numpy as np
 
 import chemio_py.backends as _backends
 
-from . import config, handles, layout as _layout, meta as _meta, requests, scratch, stats
+from . import config, handles, layout as _layout, meta as _meta, reprs, requests, scratch, stats
 from . import sections as _sections
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, ChemIOError, MetadataError,
@@ -489,6 +489,21 @@ class DiskArray:
         kind = "persistent" if self.persistent else "scratch"
         return (f"<DiskArray {self.name!r} shape={self.shape} dtype={self.dtype} "
                 f"chunks={self.chunks} {kind} {state} path={self.path!r} backend={self.backend}>")
+
+    def _repr_html_(self) -> str:
+        """The notebook view: shape, dtype, chunks, logical bytes and bytes on disk,
+        backend and format, compression, state and open requests."""
+        compression = getattr(self._store, "compression", None) if self._store else None
+        rows = [("shape", self.shape), ("dtype", self.dtype), ("chunks (on disk)", self.chunks),
+                ("grid", tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunks))),
+                ("bytes", reprs.size_text(self.nbytes)),
+                ("on disk", reprs.size_text(reprs.disk_usage(self.path))),
+                ("backend", f"{self.backend} (format {self._meta.layout})"),
+                ("compression", compression or "none"),
+                ("kind", "persistent" if self.persistent else "scratch"),
+                ("state", "closed" if self.closed else f"open, mode {self._mode!r}"),
+                ("open requests", self.outstanding), ("path", self.path)]
+        return reprs.table(f"DiskArray {self.name!r}", rows)
 
     # ------------------------------------------------------------ checks
     _superseded: str | None = None

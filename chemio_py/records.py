@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import requests
+from . import reprs, requests
 from .errors import (ArgumentError, ChemIOError, CompressorUnavailableError,  # noqa: F401
                      LimitExceededError, MetadataError, ModeError)
 from .exclusive import ExclusiveFile
@@ -987,7 +987,15 @@ class RecordFile:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"mode {self._mode!r}"
         return (f"<RecordFile {self.name!r} {state}: {self._n} records, {self.pages} pages of "
-                f"{self._page_size} B, compressor={self.compressor}>")
+                f"{self._page_size} B, compressor={self.compressor}, "
+                f"backend={self._f.backend}, path={self._f.path!r}>")
+
+    def _repr_html_(self) -> str:
+        """The notebook view: records, pages, compression, the file underneath."""
+        rows = [("records", self._n), ("pages", f"{self.pages} of {self._page_size} B"),
+                ("compressor", self.compressor or "none"),
+                ("state", "closed" if self.closed else f"open, mode {self._mode!r}")]
+        return reprs.table(f"RecordFile {self.name!r}", rows + self._f._html_rows())
 
 
 def _align(n: int) -> int:

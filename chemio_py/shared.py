@@ -28,7 +28,7 @@ from typing import Any
 
 import chemio_py.backends as _backends
 
-from . import config, handles, requests, scratch
+from . import config, handles, reprs, requests, scratch
 from .bytefile import ByteFile, check_offset
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, LimitExceededError, NotSharedError,
@@ -279,8 +279,21 @@ class SharedFile(ByteFile):
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else ("closed" if self.closed else "open")
-        return (f"<SharedFile {self.name!r} {state} path={self.path!r} "
+        size = self._size_or_none()
+        shown = "" if size is None else f" size={size}"
+        return (f"<SharedFile {self.name!r} {state}{shown} path={self.path!r} "
                 f"ranks={self.comm.size} backend={self.backend}>")
+
+    def _html_rows(self) -> list[tuple[str, object]]:
+        rows = super()._html_rows()
+        if self._destroyed:
+            rows[3] = ("state", "destroyed")
+        return rows + [("ranks", self.comm.size),
+                       ("hard limit", reprs.size_text(self.hard_limit)
+                        if self.hard_limit is not None else "none"),
+                       ("soft limit", reprs.size_text(self.soft_limit)
+                        if self.soft_limit is not None else "none"),
+                       ("reserved", reprs.size_text(self._reserved))]
 
 
 def _group_tag(c: Comm) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import html
 import json
 import os
 import stat as _stat
@@ -23,7 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import config, ownfiles
+from . import config, ownfiles, reprs
 
 _lock = threading.Lock()
 _files: dict[str, "FileStats"] = {}
@@ -106,8 +107,32 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def report(print_it: bool = True) -> str:
-    """A table of I/O per file (ops, MiB, seconds in I/O, seconds waited); printed by default."""
+class Report(str):
+    """The text of ``cio.report()``; a notebook shows it as an HTML table."""
+
+    html: str = ""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+
+def _in_notebook() -> bool:
+    """True inside a Jupyter kernel, where the returned Report displays itself."""
+    ip = sys.modules.get("IPython")
+    try:
+        shell = ip.get_ipython() if ip is not None else None
+    except Exception:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def report(print_it: bool | None = None) -> Report:
+    """A table of I/O per file (ops, MiB, seconds in I/O, seconds waited). Printed unless
+    ``print_it=False`` (or, by default, in a notebook, where the returned ``Report``
+    renders as an HTML table)."""
     snap = snapshot()
     rows = [("file", "backend", "reads", "MiB read", "writes", "MiB written", "io s", "waited s")]
     for f in snap["files"]:
@@ -124,9 +149,14 @@ def report(print_it: bool = True) -> str:
     pipes = _pipeline_report()
     if pipes:
         text += "\n\n" + pipes
+    if print_it is None:
+        print_it = not _in_notebook()
     if print_it:
         print(text)
-    return text
+    out = Report(text)
+    out.html = reprs.grid(rows[0], rows[1:], "chemio I/O per file") + (
+        f"<pre>{html.escape(pipes)}</pre>" if pipes else "")
+    return out
 
 
 class _Trace:
