@@ -34,10 +34,14 @@ SHM_DIR = os.environ.get("CHEMIO_SHM_DIR", "/dev/shm")
 
 
 def _shm_entries() -> set[str]:
-    """chemio segments in the shm dir, and MPICH's in /dev/shm (left by killed MPI jobs)."""
+    """chemio segments in the shm dir, and MPICH's in /dev/shm (left by killed MPI jobs).
+    The segment of this very process (MPI initialised in-process by the mpiio tests) is
+    removed by MPI_Finalize after the session ends, so it does not count."""
     found = set()
+    mine = f"mpich_shm_{os.getpid():x}_"
     for d, match in ((SHM_DIR, lambda n: "chemio" in n),
-                     ("/dev/shm", lambda n: n.startswith("mpich_shm_"))):
+                     ("/dev/shm", lambda n: n.startswith("mpich_shm_")
+                      and not n.startswith(mine))):
         try:
             found |= {os.path.join(d, n) for n in os.listdir(d) if match(n)}
         except OSError:
