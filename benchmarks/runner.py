@@ -8,6 +8,9 @@ The runner gives each benchmark its own empty directory inside one work director
 removes at the end, and writes ``results.json`` (rows + machine description) and
 ``results.md`` (a table, with a pass/fail mark where the row has a target) into ``--out``.
 
+On a terminal a ``tqdm`` bar over the selected benchmarks runs on stderr (``--quiet``: none,
+and no per-benchmark lines; the table and the paths written are still printed).
+
 Exit status: 0 when every selected benchmark ran, 1 when one raised or returned malformed
 rows (or, with ``--strict``, when a target was missed), 2 on bad arguments.
 """
@@ -32,6 +35,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import common  # noqa: E402  (this directory is now on sys.path)
+from chemio_py import progress  # noqa: E402
 
 REQUIRED_KEYS = common.ROW_KEYS
 
@@ -145,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no per-benchmark lines")
     p.add_argument("--dir", default=HERE, metavar="DIR",
                    help="where the bench_*.py files are (default: next to the runner)")
     p.add_argument("--seconds", type=float, default=None,
@@ -201,9 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"quick": args.quick, "machine": common.machine_info(work),
                                "benchmarks": {}, "rows": []}
     status = 0
+    say = (lambda msg: None) if args.quiet else (lambda msg: progress.write(msg, sys.stdout))
+    bar = progress.Progress(False if args.quiet else progress.AUTO, len(selected),
+                            "chemio bench", unit="bench")
     try:
         for name, path in selected.items():
-            print(f"== bench_{name} ({'quick' if args.quick else 'full'}) ...", flush=True)
+            say(f"== bench_{name} ({'quick' if args.quick else 'full'}) ...")
+            bar.set_postfix(name)
             t0 = time.perf_counter()
             entry: dict[str, Any] = {"path": path, "error": None, "rows": []}
             try:
@@ -221,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             entry["seconds"] = time.perf_counter() - t0
             results["benchmarks"][name] = entry
             results["rows"].extend({"benchmark": name, **r} for r in entry["rows"])
-            print(f"   {len(entry['rows'])} rows in {entry['seconds']:.1f} s", flush=True)
+            say(f"   {len(entry['rows'])} rows in {entry['seconds']:.1f} s")
+            bar.update(1)
     finally:
+        bar.close()
         if args.keep:
             print(f"work directory kept: {work}")
         else:

@@ -39,6 +39,7 @@ from . import sync  # noqa: E402
 from .requests import Request, completed, waitall, waitany  # noqa: E402
 from .scratch import FsInfo, cleanup, stat  # noqa: E402
 from .stats import report  # noqa: E402
+from .listing import ls  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -54,7 +55,7 @@ __all__ = [
     "prefetch", "WriteBehind", "RecordFile",
     "SharedFile", "sync",
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
-    "comm", "stat", "FsInfo", "cleanup", "report", "aligned_empty", "errors",
+    "comm", "stat", "FsInfo", "cleanup", "report", "ls", "aligned_empty", "errors",
     "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",
     "LimitExceededError", "MetadataError", "BackendUnavailableError", "SupersededError",
     "UnobservedIOError", "__version__",

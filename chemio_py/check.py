@@ -13,7 +13,8 @@ Nothing is trusted: files are opened without following links and without blockin
 FIFO or a link to ``/dev/zero`` is reported, not read), and every size read from a file is
 checked against the file before anything is allocated. Exit status: 0 when everything
 checked is fine, 1 when something is wrong (each problem is named), 2 when ``PATH`` is
-missing or is not a chemio file. ``--json`` prints one JSON object instead of text.
+missing or is not a chemio file. ``--json`` prints one JSON object instead of text. While
+it reads data (``--read``, a RecordFile's pages) a progress bar shows on a terminal.
 
 Run as ``chemio check PATH`` (``add_parser`` + ``cmd_check`` in ``cli.py``) or
 ``python -m chemio_py.check PATH``.
@@ -35,6 +36,7 @@ import numpy as np
 
 from . import meta as _meta
 from .errors import ChemIOError
+from .progress import AUTO, Progress
 from .ownfiles import NotARegularFile, kind, open_regular, read_small
 
 MAX_PROBLEMS = 50                 # listed one by one; the rest are counted
@@ -125,7 +127,8 @@ def _pread_into(fd: int, off: int, out: np.ndarray, path: str) -> None:
 
 # ---------------------------------------------------------------- DiskArray
 
-def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool) -> None:
+def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool,
+                    progress: Any = False) -> None:
     rep.kind = "DiskArray"
     try:
         text = read_small(mpath, _meta.MAX_BYTES)
@@ -186,12 +189,12 @@ def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool) 
         rep.ok(f"data file {dpath!r}: a regular file of exactly {size} bytes (the raw grid "
                f"layout)")
         if read_all:
-            _read_chunks(rep, fd, dpath, m)
+            _read_chunks(rep, fd, dpath, m, progress)
     finally:
         os.close(fd)
 
 
-def _read_chunks(rep: Report, fd: int, path: str, m: Any) -> None:
+def _read_chunks(rep: Report, fd: int, path: str, m: Any, progress: Any = False) -> None:
     from .layout import Layout
     lay = Layout(m.shape, m.chunks, m.dtype.itemsize)
     nchunks = math.prod(lay.grid)
@@ -206,21 +209,23 @@ def _read_chunks(rep: Report, fd: int, path: str, m: Any) -> None:
             runs.append((off, n))
             off += n
     zero = 0
-    for off, n in runs:
-        allzero = True
-        done = 0
-        while done < n:
-            k = min(n - done, len(buf))
-            try:
-                _pread_into(fd, off + done, buf[:k], path)
-            except _EXPECTED as e:
-                rep.bad(f"data file {path!r}: read of {k} bytes at offset {off + done} "
-                        f"failed: {e}")
-                return
-            if allzero and buf[:k].any():
-                allzero = False
-            done += k
-        zero += allzero
+    with Progress(progress, lay.nbytes, f"check {os.path.basename(path)}") as bar:
+        for off, n in runs:
+            allzero = True
+            done = 0
+            while done < n:
+                k = min(n - done, len(buf))
+                try:
+                    _pread_into(fd, off + done, buf[:k], path)
+                except _EXPECTED as e:
+                    rep.bad(f"data file {path!r}: read of {k} bytes at offset {off + done} "
+                            f"failed: {e}")
+                    return
+                if allzero and buf[:k].any():
+                    allzero = False
+                done += k
+                bar.update(k)
+            zero += allzero
     rep.ok(f"data: all {lay.nbytes} bytes read")
     if len(runs) > 1 or nchunks == 1:
         rep.facts["chunks_all_zero"] = f"{zero} of {nchunks}"
@@ -231,7 +236,8 @@ def _read_chunks(rep: Report, fd: int, path: str, m: Any) -> None:
 
 # ---------------------------------------------------------------- RecordFile
 
-def check_recordfile(rep: Report, path: str, fd: int, size: int) -> None:
+def check_recordfile(rep: Report, path: str, fd: int, size: int,
+                     progress: Any = False) -> None:
     from . import records as R
     rep.kind = "RecordFile"
     where = f"record file {path!r}"
@@ -285,11 +291,11 @@ def check_recordfile(rep: Report, path: str, fd: int, size: int) -> None:
         rep.notes.append(f"{size - idx.end} bytes follow the committed index (appended after "
                          f"the last commit and never committed: an interrupted run); they "
                          f"are ignored and reclaimed by the next commit")
-    _check_pages_and_records(rep, idx, read_at, fd, path, where)
+    _check_pages_and_records(rep, idx, read_at, fd, path, where, progress)
 
 
 def _check_pages_and_records(rep: Report, idx: Any, read_at: Any, fd: int, path: str,
-                             where: str) -> None:
+                             where: str, progress: Any = False) -> None:
     from . import records as R
     pages = idx.pages
     maxraw = max((p[2] for p in pages), default=0)
@@ -299,12 +305,16 @@ def _check_pages_and_records(rep: Report, idx: Any, read_at: Any, fd: int, path:
     bad_pages: list[int] = []
     state = {"next": 0}
 
+    bar = Progress(progress, sum(p[1] if p[3] else p[2] for p in pages),
+                   f"check {os.path.basename(path)}")
+
     def load(i: int) -> np.ndarray:
         off, stored, raw, flag, _ = pages[i]
         if flag:
             _pread_into(fd, off, comp[:stored], path)
         else:
             _pread_into(fd, off, page[:raw], path)
+        bar.update(stored if flag else raw)
         return R.decode_page(idx.codec, pages[i], comp, page, where, i)
 
     def feed():
@@ -333,6 +343,7 @@ def _check_pages_and_records(rep: Report, idx: Any, read_at: Any, fd: int, path:
         except _EXPECTED as e:
             bad_pages.append(i)
             rep.bad(f"page {i}: {e}")
+    bar.close()
     if not bad_pages:
         what = "read, decompressed and" if idx.codec is not None else "read and"
         crc = " checked against their CRC" if idx.version == 2 else " (no checksums in format 1)"
@@ -349,8 +360,9 @@ class _PageFailed(Exception):
 
 # ---------------------------------------------------------------- dispatch
 
-def check_path(path: str, read_all: bool = False) -> Report:
-    """Check ``path`` (see the module docstring); returns the report."""
+def check_path(path: str, read_all: bool = False, progress: Any = False) -> Report:
+    """Check ``path`` (see the module docstring); returns the report. ``progress``
+    (``chemio_py.progress``) reports the bytes read while data is read."""
     from . import records as R
     rep = Report(path=path)
     ap = os.path.abspath(os.path.expanduser(path))
@@ -358,7 +370,7 @@ def check_path(path: str, read_all: bool = False) -> Report:
         st = os.lstat(ap)
     except FileNotFoundError:
         if os.path.lexists(ap + ".json"):
-            check_diskarray(rep, ap + ".json", ap, read_all)
+            check_diskarray(rep, ap + ".json", ap, read_all, progress)
         else:
             rep.usage_error = f"{path!r} does not exist"
         return rep
@@ -377,7 +389,7 @@ def check_path(path: str, read_all: bool = False) -> Report:
         rep.usage_error = f"{path!r} is {what}, not a chemio file{hint}"
         return rep
     if ap.endswith(".json"):
-        check_diskarray(rep, ap, None, read_all)
+        check_diskarray(rep, ap, None, read_all, progress)
         return rep
     try:
         fd = open_regular(ap)
@@ -388,13 +400,13 @@ def check_path(path: str, read_all: bool = False) -> Report:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
         if head == R._HMAGIC:
-            check_recordfile(rep, ap, fd, size)
+            check_recordfile(rep, ap, fd, size, progress)
         elif os.path.lexists(ap + ".json"):
-            check_diskarray(rep, ap + ".json", ap, read_all)
+            check_diskarray(rep, ap + ".json", ap, read_all, progress)
         elif _looks_like_records(fd, size):
-            check_recordfile(rep, ap, fd, size)
+            check_recordfile(rep, ap, fd, size, progress)
         elif ap.endswith(".dra"):
-            check_diskarray(rep, ap + ".json", ap, read_all)
+            check_diskarray(rep, ap + ".json", ap, read_all, progress)
         else:
             rep.usage_error = (f"{path!r} is not a chemio file (no RecordFile header or trailer, "
                                f"no DiskArray metadata {os.path.basename(ap) + '.json'!r} beside "
@@ -435,8 +447,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Run the check of ``args.path``; print the report; return the exit status."""
-    rep = check_path(args.path, read_all=getattr(args, "read", False))
-    if getattr(args, "json", False):
+    as_json = getattr(args, "json", False)
+    rep = check_path(args.path, read_all=getattr(args, "read", False),
+                     progress=False if as_json else AUTO)
+    if as_json:
         print(json.dumps(rep.to_dict(), default=str))
     else:
         out = sys.stderr if rep.usage_error is not None else sys.stdout

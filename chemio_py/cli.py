@@ -40,6 +40,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         lib = MPI.Get_library_version().strip().splitlines()[0]
         import mpi4py
         print(f"  mpi4py {mpi4py.__version__}; {lib}")
+        from chemio_py.backends import mpiio
+        print(f"  MPI-IO (ROMIO) drivers: {', '.join(mpiio.romio_drivers()) or 'none found'}")
+        print(f"  mpiio hints: {', '.join(f'{k}={v}' for k, v in mpiio.hints().items())} "
+              f"(defaults {mpiio.DEFAULT_HINTS}, more from the mpiio_hints setting)")
     except ImportError:
         print("  mpi4py not installed (serial only); pip install 'chemio-py[mpi]'")
     print("\nsettings:")
@@ -200,6 +204,24 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(mod.main(rest) or 0)
 
 
+def _add_ls_trace(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from . import listing, trace_view
+    listing.add_arguments(sub.add_parser(
+        "ls", help="list the scratch: jobs, their processes and liveness, and their objects"))
+    trace_view.add_arguments(sub.add_parser(
+        "trace", help="a recorded I/O trace (CHEMIO_TRACE) as a timeline picture and summary"))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .listing import cmd_ls as run
+    return run(args)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .trace_view import cmd_trace as run
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chemio", description="chemio_py: out-of-core scratch I/O "
                                 "for computational chemistry")
@@ -216,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(no PySCF needed)")
     d.add_argument("--records", type=int, default=64, help="1 MiB records of the --eaf pass")
     check.add_parser(sub)
+    _add_ls_trace(sub)
     b = sub.add_parser("bench", help="run the benchmark suite (options go to the runner)",
                        add_help=False)
     b.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")
@@ -231,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handler = {"info": cmd_info, "config": cmd_config, "clean": cmd_clean, "demo": cmd_demo,
-               "check": check.cmd_check}[args.cmd]
+               "check": check.cmd_check, "ls": cmd_ls, "trace": cmd_trace}[args.cmd]
     try:
         return handler(args)
     except Exception as e:

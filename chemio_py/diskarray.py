@@ -850,6 +850,12 @@ class DiskArray:
         from .interop import to_dask
         return to_dask(self, chunks=chunks)
 
+    def to_xarray(self, dims: Any = None, coords: Any = None, **kw: Any):
+        """A lazily loaded ``xarray.DataArray`` over ``to_dask()`` (needs xarray):
+        ``dims`` names the axes, ``coords``/``attrs``/``name``/``chunks`` as in xarray."""
+        from .interop import to_xarray
+        return to_xarray(self, dims, coords, **kw)
+
     @classmethod
     def from_dask(cls, x: Any, name: str, **create_kw: Any) -> "DiskArray":
         """Store dask array ``x`` in a new DiskArray (collective; blocks in parallel)."""

@@ -4,7 +4,9 @@
 (each dask task reads contiguous runs of chunks). ``from_dask`` stores a dask array's blocks
 in parallel (split over the ranks under MPI). ``to_hdf5`` / ``from_hdf5`` copy between a
 DiskArray and an HDF5 dataset (PySCF-style files) slab by slab, reading the next slab from
-the DiskArray while the current one goes through h5py, with an optional progress bar.
+the DiskArray while the current one goes through h5py. ``progress=`` (``True``: a
+``tqdm`` bar, a callable ``(done_bytes, total_bytes)``, ``False``) reports the bytes moved
+(see ``chemio_py.progress``).
 h5py is used from one thread only (its global lock serialises it anyway).
 
 This module sits above ``diskarray`` and imports it; ``DiskArray``'s own ``to_dask``,
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-import time
 import uuid as _uuid
 from typing import Any
 
@@ -26,49 +26,11 @@ from . import layout as _layout, meta as _meta
 from .comm import resolve as _resolve_comm
 from .diskarray import DiskArray, block_section
 from .errors import ArgumentError
+from .progress import Progress, check as _check_progress
 
 SLAB_BYTES = 64 << 20          # HDF5 copies move slabs of about this size
 DASK_CHUNK_BYTES = 64 << 20    # default dask chunk: disk chunks grown to about this size
 H5_CHUNK_MAX = (1 << 32) - 1   # HDF5's limit on a chunk's bytes
-
-
-# ---------------------------------------------------------------- progress
-
-class Progress:
-    """A progress report: ``True`` draws a text bar on stderr, a callable gets
-    ``(done_bytes, total_bytes)``, ``False``/``None`` does nothing."""
-
-    def __init__(self, how: Any, total: int, label: str):
-        self.how = how
-        self.total = max(int(total), 0)
-        self.label = label
-        self.done = 0
-        self.t0 = time.perf_counter()
-        self._last = -1.0
-        if how and not callable(how) and how is not True:
-            raise ArgumentError(f"progress must be True, False or a callable(done, total), "
-                                f"got {how!r}")
-
-    def update(self, n: int) -> None:
-        self.done += int(n)
-        if not self.how:
-            return
-        if callable(self.how) and self.how is not True:
-            self.how(self.done, self.total)
-            return
-        now = time.perf_counter()
-        if now - self._last < 0.2 and self.done < self.total:
-            return
-        self._last = now
-        frac = self.done / self.total if self.total else 1.0
-        bar = "#" * int(30 * frac)
-        rate = self.done / max(now - self.t0, 1e-9) / 2**20
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% "
-                         f"{self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB "
-                         f"{rate:.0f} MiB/s")
-        if self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def _slabs(shape: tuple, lo: int, hi: int, row_unit: int, itemsize: int,
@@ -113,6 +75,27 @@ def to_dask(d: DiskArray, chunks: Any = None) -> Any:
                          meta=np.empty((0,) * d.ndim, dtype=d.dtype))
 
 
+def to_xarray(d: DiskArray, dims: Any = None, coords: Any = None, *, name: str | None = None,
+              attrs: dict | None = None, chunks: Any = None) -> Any:
+    """A lazily loaded ``xarray.DataArray`` over ``to_dask(d)``: nothing is read until it
+    is computed. ``dims`` names the axes (default ``dim_0``, ``dim_1``, ...); ``coords`` and
+    ``attrs`` are passed to ``xarray.DataArray``; ``name`` defaults to the array's name.
+    Needs xarray (``pip install xarray``)."""
+    try:
+        import xarray as xr
+    except ImportError:
+        raise ImportError("DiskArray.to_xarray needs xarray: pip install xarray") from None
+    if dims is None:
+        dims = tuple(f"dim_{k}" for k in range(d.ndim))
+    elif isinstance(dims, str) or len(dims) != d.ndim:
+        raise ArgumentError(f"dims {dims!r} must name each of the {d.ndim} axes of "
+                            f"DiskArray {d.name!r} (shape {d.shape}), e.g. "
+                            f"{tuple(f'dim_{k}' for k in range(d.ndim))}")
+    info = {"chemio_backend": d.backend, "chemio_path": d.path, **(attrs or {})}
+    return xr.DataArray(to_dask(d, chunks=chunks), dims=tuple(dims), coords=coords,
+                        name=d.name if name is None else name, attrs=info)
+
+
 def _block_regions(chunks: tuple[tuple[int, ...], ...]) -> list[tuple[slice, ...]]:
     bounds = [np.concatenate(([0], np.cumsum(c))).tolist() for c in chunks]
     import itertools
@@ -120,16 +103,43 @@ def _block_regions(chunks: tuple[tuple[int, ...], ...]) -> list[tuple[slice, ...
             for idx in itertools.product(*(range(len(c)) for c in chunks))]
 
 
+class _Counted:
+    """A ``da.store`` target writing into DiskArray ``d`` and counting the bytes stored.
+
+    Pickled (for a distributed scheduler's workers) it is ``d`` itself: the bar then moves
+    only when the store returns."""
+
+    def __init__(self, d: DiskArray, bar: Progress):
+        self.d, self.bar = d, bar
+        self.token = _uuid.uuid4().hex
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.d[key] = value
+        self.bar.update(getattr(value, "nbytes", 0))
+
+    def __reduce__(self) -> Any:
+        return (_identity, (self.d,))
+
+    def __dask_tokenize__(self) -> str:
+        return self.token
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
 def from_dask(x: Any, name: str, *, chunks: Any = None, request_shape: Any = None,
-              comm: Any = None, **create_kw: Any) -> DiskArray:
+              comm: Any = None, progress: Any = False, **create_kw: Any) -> DiskArray:
     """Store dask array ``x`` in a new DiskArray ``name`` (collective).
 
     The disk chunks are ``x``'s block shape when its blocks form a regular grid (so every
     block is one contiguous write), unless ``chunks`` or ``request_shape`` say otherwise.
     Blocks are computed and written in parallel by dask's scheduler; under MPI each rank
-    stores every ``size``-th block. Other keywords go to ``DiskArray.create``.
+    stores every ``size``-th block. ``progress`` (see ``chemio_py.progress``) reports the
+    bytes this rank stores. Other keywords go to ``DiskArray.create``.
     """
     import dask.array as da
+    _check_progress(progress)
     if not isinstance(x, da.Array):
         x = da.asarray(x)
     if chunks is None and request_shape is None and x.ndim and x.size:
@@ -146,8 +156,13 @@ def from_dask(x: Any, name: str, *, chunks: Any = None, request_shape: Any = Non
             if x.size:
                 regions = _block_regions(x.chunks)[c.rank::c.size]
                 if regions:
-                    da.store([x[r] for r in regions], [d] * len(regions), regions=regions,
-                             lock=False)
+                    mine = sum(_layout.region_nbytes(r, d.dtype.itemsize) for r in regions)
+                    with Progress(progress, mine, f"from_dask {name}") as bar:
+                        target: Any = _Counted(d, bar) if bar.active else d
+                        da.store([x[r] for r in regions], [target] * len(regions),
+                                 regions=regions, lock=False)
+                        if bar.done < mine:
+                            bar.update(mine - bar.done)
     except BaseException:
         d.delete()
         raise
@@ -170,7 +185,9 @@ def to_hdf5(d: DiskArray, path: Any, dataset: str, *, overwrite: bool = False,
     """Copy DiskArray ``d`` into dataset ``dataset`` of HDF5 file ``path`` (collective:
     rank 0 writes, the others wait). The dataset is chunked like ``d``; ``compression``
     goes to h5py. An existing dataset is replaced only with ``overwrite=True``. The next
-    slab is read from disk while the current one is written to HDF5."""
+    slab is read from disk while the current one is written to HDF5. ``progress``: see
+    ``chemio_py.progress`` (bytes copied)."""
+    _check_progress(progress)
     c = d.comm
     with c.agree(f"DiskArray {d.name!r} to_hdf5({str(path)!r}, {dataset!r})"):
         if c.rank == 0:
@@ -193,23 +210,27 @@ def _to_hdf5(d: DiskArray, path: Any, dataset: str, overwrite: bool, compression
                               chunks=_h5_chunks(d.chunks, d.shape, d.dtype.itemsize),
                               compression=compression)
         ds.attrs["chemio_py.chunks"] = list(d.chunks)
-        bar = Progress(progress, d.nbytes, f"to_hdf5 {dataset}")
-        if d.size == 0:
-            bar.update(0)
-            return
-        slabs = _slabs(d.shape, 0, d.shape[0], d.chunks[0], d.dtype.itemsize, slab_bytes)
-        bufs = [np.empty(_layout.region_shape(slabs[0]), d.dtype) for _ in range(2)]
+        with Progress(progress, d.nbytes, f"to_hdf5 {dataset}") as bar:
+            if d.size == 0:
+                bar.update(0)
+                return
+            _copy_to_h5(d, ds, bar, slab_bytes)
 
-        def start(i: int) -> Any:
-            s = slabs[i]
-            return d.aread(s, bufs[i % 2][: s[0].stop - s[0].start])
 
-        req = start(0)
-        for i, s in enumerate(slabs):
-            block = req.wait()
-            req = start(i + 1) if i + 1 < len(slabs) else None
-            ds.write_direct(np.ascontiguousarray(block), dest_sel=s)
-            bar.update(block.nbytes)
+def _copy_to_h5(d: DiskArray, ds: Any, bar: Progress, slab_bytes: int) -> None:
+    slabs = _slabs(d.shape, 0, d.shape[0], d.chunks[0], d.dtype.itemsize, slab_bytes)
+    bufs = [np.empty(_layout.region_shape(slabs[0]), d.dtype) for _ in range(2)]
+
+    def start(i: int) -> Any:
+        s = slabs[i]
+        return d.aread(s, bufs[i % 2][: s[0].stop - s[0].start])
+
+    req = start(0)
+    for i, s in enumerate(slabs):
+        block = req.wait()
+        req = start(i + 1) if i + 1 < len(slabs) else None
+        ds.write_direct(np.ascontiguousarray(block), dest_sel=s)
+        bar.update(block.nbytes)
 
 
 def _default_name(dataset: str) -> str:
@@ -225,8 +246,10 @@ def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any
     ``name`` defaults to the dataset's name with unusual characters replaced. Each rank
     copies its block of rows (``block_section``); h5py reads of the next slab and the
     DiskArray writes of the previous one overlap. Other keywords go to ``DiskArray.create``
-    (``path=``, ``persistent=``, ``backend=``...).
+    (``path=``, ``persistent=``, ``backend=``...). ``progress`` (see ``chemio_py.progress``)
+    reports rank 0's share of the bytes.
     """
+    _check_progress(progress)
     c = _resolve_comm(comm)
     what = f"DiskArray.from_hdf5({str(h5file)!r}, {dataset!r})"
     info = None
@@ -266,18 +289,20 @@ def _from_hdf5(d: DiskArray, h5file: Any, dataset: str, mine: tuple, progress: A
         return
     slabs = _slabs(d.shape, lo, hi, d.chunks[0], d.dtype.itemsize, slab_bytes)
     bufs = [np.empty(_layout.region_shape(slabs[0]), d.dtype) for _ in range(2)]
-    bar = Progress(progress, sum(_layout.region_nbytes(s, d.dtype.itemsize) for s in slabs),
-                   f"from_hdf5 {dataset}")
-    req = None
-    with h5py.File(h5file, "r") as f:
+    total = sum(_layout.region_nbytes(s, d.dtype.itemsize) for s in slabs)
+    req, prev = None, 0
+    with Progress(progress, total, f"from_hdf5 {dataset}") as bar, \
+            h5py.File(h5file, "r") as f:
         ds = f[dataset]
         for i, s in enumerate(slabs):
             buf = bufs[i % 2][: s[0].stop - s[0].start]
             ds.read_direct(buf, source_sel=s)
             if req is not None:
                 req.wait()          # the previous slab is on disk: its buffer is next
+                bar.update(prev)
             req = d.awrite(s, buf)
-            bar.update(buf.nbytes)
-    if req is not None:
-        req.wait()
+            prev = buf.nbytes
+        if req is not None:
+            req.wait()
+            bar.update(prev)
 

@@ -419,6 +419,16 @@ class PipelineStats:
     def op_done(self, nbytes: int, t_issue: float, t_done: float, wait: float,
                 wait_t0: float | None = None, slot: int = 0) -> None:
         """Count one completed request (``wait`` seconds of it blocked the consumer)."""
+        if _trace.on:                   # once, by the pipeline that ran it (not its totals)
+            _trace.event(f"{self.kind} #{slot}", "io", t_issue, t_done,
+                         {"pipeline": self.name, "bytes": nbytes}, track=f"{self.name} io.{slot}")
+            if wait > 0.0 and wait_t0 is not None:
+                _trace.event("wait", "wait", wait_t0, wait_t0 + wait, {"pipeline": self.name},
+                             track=f"{self.name} wait")
+        self._add_op(nbytes, t_issue, t_done, wait, wait_t0, slot)
+
+    def _add_op(self, nbytes: int, t_issue: float, t_done: float, wait: float,
+                wait_t0: float | None, slot: int) -> None:
         with self._lock:
             self.ops += 1
             self.bytes += nbytes
@@ -428,26 +438,23 @@ class PipelineStats:
             self._span(f"io.{slot}", t_issue, t_done)
             if wait > 0.0 and wait_t0 is not None:
                 self._span("wait", wait_t0, wait_t0 + wait)
-        if _trace.on:
-            _trace.event(f"{self.kind} #{slot}", "io", t_issue, t_done,
-                         {"pipeline": self.name, "bytes": nbytes}, track=f"{self.name} io.{slot}")
-            if wait > 0.0 and wait_t0 is not None:
-                _trace.event("wait", "wait", wait_t0, wait_t0 + wait, {"pipeline": self.name},
-                             track=f"{self.name} wait")
         if self._parent is not None:
-            self._parent.op_done(nbytes, t_issue, t_done, wait, wait_t0, slot)
+            self._parent._add_op(nbytes, t_issue, t_done, wait, wait_t0, slot)
 
     def computed(self, t0: float, t1: float) -> None:
         """Count consumer work between two steps of the pipeline."""
+        if _trace.on:
+            _trace.event("compute", "compute", t0, t1, {"pipeline": self.name},
+                         track=f"{self.name} compute")
+        self._add_compute(t0, t1)
+
+    def _add_compute(self, t0: float, t1: float) -> None:
         with self._lock:
             self.compute_seconds += t1 - t0
             self._stamp(t0, t1)
             self._span("compute", t0, t1)
-        if _trace.on:
-            _trace.event("compute", "compute", t0, t1, {"pipeline": self.name},
-                         track=f"{self.name} compute")
         if self._parent is not None:
-            self._parent.computed(t0, t1)
+            self._parent._add_compute(t0, t1)
 
     def as_dict(self) -> dict:
         return {"pipeline": self.name, "kind": self.kind, "ops": self.ops, "bytes": self.bytes,

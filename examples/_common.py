@@ -6,7 +6,9 @@ Every example runs serially or under ``mpiexec -n N`` unchanged::
     python examples/NAME.py --atom "O 0 0 0; H 0 0.757 0.587; H 0 -0.757 0.587" \\
         --basis cc-pvdz [--backend local|shm] [--max-memory MB] [--quiet]
 
-and ends with exactly one JSON line on stdout (rank 0 only)::
+Without ``--quiet``, rank 0 shows progress lines and, on a terminal, ``tqdm`` bars over
+the long loops on stderr; with ``--quiet`` the run prints nothing but the final JSON
+line. It ends with exactly one JSON line on stdout (rank 0 only)::
 
     {"example": ..., "energy": ..., "reference": ..., "abs_error": ..., "io": {...}, ...}
 
@@ -21,12 +23,14 @@ import math
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 import chemio_py as cio
-from chemio_py import stats
+from chemio_py import progress as _progress, stats
+
+T = TypeVar("T")
 
 WATER = "O 0 0 0; H 0 0.757 0.587; H 0 -0.757 0.587"
 
@@ -46,7 +50,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                         "default: the chemio_py setting (CHEMIO_BACKEND, chemio.toml, local)")
     g.add_argument("--max-memory", type=float, default=None, metavar="MB",
                    help="memory budget of the out-of-core parts, in MB (fractions allowed)")
-    g.add_argument("--quiet", action="store_true", help="no progress messages")
+    g.add_argument("--quiet", action="store_true",
+                   help="print nothing but the final JSON line (no progress lines or bars)")
     return p
 
 
@@ -107,7 +112,15 @@ class Run:
             return
         who = f"[{self.example} {time.perf_counter() - self.t0:7.2f}s"
         who += f" r{self.comm.rank}]" if self.comm.size > 1 else "]"
-        print(f"{who} {msg}", file=sys.stderr, flush=True)
+        _progress.write(f"{who} {msg}", file=sys.stderr)
+
+    def progress(self, iterable: Iterable[T], desc: str, total: int | None = None,
+                 unit: str = "it") -> Iterator[T]:
+        """``iterable`` with a ``tqdm`` bar on rank 0's stderr when it is a terminal (or a
+        notebook); a plain loop with --quiet and on the other ranks."""
+        how = _progress.AUTO if self.root and not self.args.quiet else False
+        return _progress.track(iterable, how, f"{self.example}: {desc}", total=total,
+                               unit=unit)
 
     def io_totals(self) -> dict:
         """This job's I/O counters summed over all ranks (collective): the file totals,

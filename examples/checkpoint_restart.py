@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return new
 
     # -------------------------------------------------------------- the loop
-    while step < args.steps:
+    for _ in run.progress(range(step, args.steps), "steps", unit="step"):
         t0 = time.perf_counter()
         s = hc(c)
         e = float(c @ s)

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     k = 0                       # newest trial vector
     heff = np.zeros((space, space))
     theta_old, theta, it, converged = None, None, 0, False
-    for it in range(1, args.max_cycle + 1):
+    for it in run.progress(range(1, args.max_cycle + 1), "Davidson iterations", unit="iter"):
         t_it = time.perf_counter()
         mine = sigma(k)
         if run.root:

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if s == auxmol.nbas or aux_loc[s + 1] - aux_loc[s0] > aux_per_block:
             shell_blocks.append((s0, s))
             s0 = s
-    for k0, k1 in shell_blocks:                # every rank: same number of write_all calls
+    for k0, k1 in run.progress(shell_blocks, "3-index integrals", unit="block"):  # all ranks
         j3c = aux_e2(mol, auxmol, "int3c2e", aosym="s1", shls_slice=(0, mol.nbas, 0, mol.nbas,
                                                                         k0, k1))
         p0, p1 = int(aux_loc[k0]), int(aux_loc[k1])
@@ -209,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                        buf[:hi - lo])
 
     make = lambda: np.empty((rows, nvir, naux))  # noqa: E731
-    for ib, bi in cio.prefetch(read_iblock, loop.tasks(nblk), make, depth=args.depth,
-                               name="ri_mp2 i-blocks"):
+    iblocks = cio.prefetch(read_iblock, loop.tasks(nblk), make, depth=args.depth,
+                           name="ri_mp2 i-blocks")
+    for ib, bi in run.progress(iblocks, "i-blocks", total=nblk if comm.size == 1 else None,
+                               unit="block"):
         lo, hi = ib * rows, min((ib + 1) * rows, nocc)
         passes += 1
         for sec, bj in iter_blocks(Rows(B, lo, nocc), size=rows, depth=args.depth,

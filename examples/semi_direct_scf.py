@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     e_old, energy, converged = None, None, False
     first = True
     it = 0
-    for it in range(1, args.max_cycle + 1):
+    for it in run.progress(range(1, args.max_cycle + 1), "SCF cycles", unit="cycle"):
         t_it = time.perf_counter()
         vj = np.zeros((nao, nao))
         vk = np.zeros((nao, nao))

@@ -331,3 +331,71 @@ def test_no_shm_left_behind():
     left = [n for n in os.listdir(SHM_DIR) if "ri_mp2" in n or "davidson" in n
             or "scf-batches" in n] if os.path.isdir(SHM_DIR) else []
     assert not left
+
+
+# ---------------------------------------------------------------------- --quiet and progress
+
+QUIET_RUNS = {
+    "semi_direct_scf": ["--basis", "sto-3g"],
+    "ri_mp2": ["--basis", "sto-3g"],
+    "mrci_davidson": ["--basis", "sto-3g", "--ncas", "4", "--nelecas", "4"],
+    "checkpoint_restart": ["--basis", "sto-3g", "--ncas", "4", "--nelecas", "4",
+                           "--steps", "12", "--every", "4"],
+}
+
+
+def test_quiet_prints_nothing_but_the_json_line(tmp_path):
+    for name, args in QUIET_RUNS.items():
+        if name == "checkpoint_restart":
+            args = args + ["--checkpoint-dir", str(tmp_path / "ck")]
+        env, scratch = _env(tmp_path)
+        proc = subprocess.run(_command(name, args + ["--quiet"], None), capture_output=True,
+                              text=True, timeout=120, env=env, cwd=str(tmp_path))
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        assert proc.stderr == "", f"{name} --quiet wrote to stderr:\n{proc.stderr[-3000:]}"
+        lines = proc.stdout.splitlines()
+        assert len(lines) == 1, f"{name} --quiet printed {len(lines)} lines:\n{proc.stdout}"
+        assert json.loads(lines[0])["example"] == name
+        assert not _leftovers(scratch)
+
+
+def test_progress_bar_on_a_terminal_and_none_with_quiet(tmp_path):
+    """On a terminal (a pty) the SCF cycles get a tqdm bar between the log lines; with
+    --quiet the same run writes nothing there."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    env, scratch = _env(tmp_path)
+    code = ("import runpy, sys, chemio_py.progress as P; P.AUTO_DELAY = 0.0; "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+    def on_tty(extra: list[str]) -> tuple[int, str, str]:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+        proc = subprocess.Popen([sys.executable, "-c", code,
+                                 str(EXAMPLES / "semi_direct_scf.py"), "--basis", "sto-3g",
+                                 *extra], stdout=subprocess.PIPE, stderr=slave, text=True,
+                                env=env, cwd=str(tmp_path))
+        os.close(slave)
+        out, _ = proc.communicate(timeout=120)
+        chunks = []
+        while True:
+            try:
+                b = os.read(master, 65536)
+            except OSError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+        os.close(master)
+        return proc.returncode, out, b"".join(chunks).decode(errors="replace")
+
+    rc, out, tty = on_tty([])
+    assert rc == 0, tty
+    assert "semi_direct_scf: SCF cycles" in tty and "cycle/s" in tty
+    assert "cycle  1  E =" in tty                      # the log lines are still there
+    assert json.loads(out.splitlines()[-1])["converged"]
+    rc, out, tty = on_tty(["--quiet"])
+    assert rc == 0 and tty == "" and len(out.splitlines()) == 1
+    assert not _leftovers(scratch)

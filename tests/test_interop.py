@@ -106,3 +106,26 @@ def test_from_hdf5_big_endian_and_persistent(arr_store, tmp_path):
     f = cio.DiskArray.open(out)
     np.testing.assert_array_equal(f[...], m.astype("f8"))
     f.delete()
+
+
+# ---------------------------------------------------------------- xarray
+
+@pytest.mark.parametrize("backend", ["local", "zarr"])
+def test_to_xarray_is_lazy_and_labelled(tmp_path, backend):
+    xr = pytest.importorskip("xarray")
+    model = np.arange(30 * 20, dtype="f8").reshape(30, 20)
+    d = cio.DiskArray.create("lab", (30, 20), "f8", chunks=(10, 10), backend=backend,
+                             path=tmp_path)
+    d[...] = model
+    before = d.stats.reads
+    x = d.to_xarray(dims=("occ", "vir"), coords={"occ": np.arange(30) * 0.5},
+                    attrs={"units": "hartree"})
+    assert isinstance(x, xr.DataArray) and x.dims == ("occ", "vir") and x.name == "lab"
+    assert x.attrs["units"] == "hartree" and x.attrs["chemio_backend"] == backend
+    assert d.stats.reads == before                       # nothing read yet
+    assert float(x.sel(occ=slice(1.0, 2.0)).sum()) == model[2:5].sum()
+    np.testing.assert_array_equal(x.values, model)
+    assert d.to_xarray().dims == ("dim_0", "dim_1")
+    with pytest.raises(ArgumentError, match="must name each of the 2 axes"):
+        d.to_xarray(dims=("only",))
+    d.delete()

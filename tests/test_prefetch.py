@@ -43,7 +43,8 @@ def _fds() -> int:
 
 
 def _other_threads() -> set[int]:
-    """Threads that are not the I/O pool's (the pool is shared and lives on)."""
+    """Threads that are not the I/O pool's or mpiio's completion thread (both shared by
+    the process, they live on: named ``chemio-io*``)."""
     return {t.ident for t in threading.enumerate() if not t.name.startswith("chemio-io")}
 
 
@@ -59,7 +60,7 @@ def _assert_quiet(f, threads_before: set[int], *pipes) -> None:
     assert f.outstanding == 0
     assert _pool_idle()
     assert _other_threads() == threads_before
-    pool_threads = [t for t in threading.enumerate() if t.name.startswith("chemio-io")]
+    pool_threads = [t for t in threading.enumerate() if t.name.startswith("chemio-io_")]
     assert len(pool_threads) <= cio.settings()["io_threads"].value
 
 
