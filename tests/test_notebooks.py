@@ -66,6 +66,11 @@ def _images(nb) -> int:
                if o.get("output_type") == "display_data" and "image/png" in o.get("data", {}))
 
 
+def _html(nb) -> list[str]:
+    return [o["data"]["text/html"] for cell in nb.cells for o in cell.get("outputs", [])
+            if o.get("output_type") == "execute_result" and "text/html" in o.get("data", {})]
+
+
 def test_notebook_tour(tmp_path):
     nb = execute("01_tour.ipynb", tmp_path)
     text = _text(nb)
@@ -74,6 +79,13 @@ def test_notebook_tour(tmp_path):
     assert "-> local" in text
     assert "scratch cleaned" in text
     assert _images(nb) == 1                               # the I/O timeline
+    tables = _html(nb)                                    # the DiskArray and cio.report()
+    assert len(tables) >= 2, tables
+    assert "DiskArray &#x27;tour.dra&#x27;" in tables[0] and ">(2000, 300)<" in tables[0]
+    assert ">on disk<" in tables[0] and ">local (format grid)<" in tables[0]
+    assert ">MiB written<" in tables[1] and "tour.dra" in tables[1]
+    assert "waited" in text and "overlap" in text         # the trace summary
+    assert "tour.dra" in text and "DiskArray" in text     # cio.ls() shows the array
 
 
 def test_notebook_ri_mp2_out_of_core(tmp_path):
