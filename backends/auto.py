@@ -255,7 +255,7 @@ class AutoBackend:
         opts = {} if direct is None else {"direct": direct}
         if not _in_shm_job_dir(path):               # the caller's own directory: disk
             return AutoByteStore(self._local.open_bytes(path, mode, **opts), True, writable)
-        ram, disk = self._pair(path)
+        ram, disk = os.path.abspath(path), disk_path(path)   # what _pair gives in a job dir
         if mode in ("r", "r+"):
             for _ in range(100):
                 try:
@@ -281,7 +281,7 @@ class AutoBackend:
         kw = dict(shape=shape, dtype=dtype, chunks=chunks, reserve=reserve, perms=perms)
         if not _in_shm_job_dir(path):
             return self._local.open_array(path, mode, **kw)
-        ram, disk = self._pair(path)
+        ram, disk = os.path.abspath(path), disk_path(path)   # what _pair gives in a job dir
         if mode in ("r", "r+"):
             if os.path.lexists(ram):
                 return self._shm.open_array(ram, mode, **kw)

@@ -96,7 +96,8 @@ class Engine:
         self._free = list(range(QUEUE_DEPTH))
         self._lock = threading.Lock()
         self._events = (_Event * BATCH)()
-        self._event_rec = np.frombuffer(self._events, dtype=_EVENT_DTYPE)
+        # ctypes arrays are buffers; typeshed says so for Python 3.12+ only
+        self._event_rec = np.frombuffer(self._events, dtype=_EVENT_DTYPE)  # type: ignore[call-overload]
         # Group control blocks: block b holds BLOCK records whose ``data`` is
         # QUEUE_DEPTH + b * BLOCK + i, so a completion names its group and its place.
         self._gcbs = np.zeros((BLOCKS, BLOCK), dtype=_IOCB_DTYPE)

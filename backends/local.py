@@ -183,7 +183,7 @@ class LocalByteStore(_PosixFile):
         mv = _bytes_view(out, writable=True)
         addr = self._aio_target(mv, offset)
         eng = linux_aio.engine() if addr is not None else None
-        if eng is None:
+        if eng is None or addr is None or self._dfd is None:
             return None
 
         def done(res: int, t0: float, t1: float) -> Any:
@@ -197,7 +197,7 @@ class LocalByteStore(_PosixFile):
         mv = _bytes_view(data, writable=False)
         addr = self._aio_target(mv, offset)
         eng = linux_aio.engine() if addr is not None else None
-        if eng is None:
+        if eng is None or addr is None or self._dfd is None:
             return None
         n = len(mv)
 
@@ -562,7 +562,7 @@ class LocalArrayStore(_PosixFile):
         if out.size == 0:
             return True
         segs = self._short_runs(region, out)
-        return bool(segs) and self._copy_resident(segs, out, False)
+        return segs is not None and self._copy_resident(segs, out, False)
 
     def _short_runs(self, region: Any, arr: np.ndarray) -> tuple | None:
         """The region's contiguous runs (file offsets, memory offsets, lengths) when they

@@ -111,7 +111,7 @@ def romio_drivers() -> list[str]:
 # ---------------------------------------------------------------- errors
 
 def _errno_of(MPI: Any) -> dict[int, int]:
-    table = {}
+    table: dict[int, int] = {}
     for name, err in (("ERR_ACCESS", errno.EACCES), ("ERR_READ_ONLY", errno.EROFS),
                       ("ERR_NO_SUCH_FILE", errno.ENOENT), ("ERR_FILE_EXISTS", errno.EEXIST),
                       ("ERR_IO", errno.EIO), ("ERR_BAD_FILE", errno.EINVAL),
@@ -251,6 +251,7 @@ class _Op:
 
 class _Piece:
     __slots__ = ("op", "offset", "view", "mreq")
+    mreq: Any                           # the MPI request while in flight, else None
 
     def __init__(self, op: _Op, offset: int, view: memoryview):
         self.op, self.offset, self.view, self.mreq = op, offset, view, None
@@ -681,6 +682,7 @@ class MpiioArrayStore:
         base, tmp = self._buffer(arr, write)
         strides = (tmp if tmp is not None else arr).strides
         types = mpi_types.region_types(MPI, self.layout, region, strides)
+        assert types is not None                    # the region is not empty (arr.size)
         st = MPI.Status()
         try:
             with self._lock:

@@ -45,6 +45,7 @@ def open_checked(path: str, flags: int, mode: str, perms: int = 0o600) -> int:
         raise FileExistsError(errno.EEXIST, "file exists (mode 'x+' creates a new file; use "
                               "'r+' to open it or 'w+' to replace it)", path) from None
     except OSError as e:
+        hint: dict[int | None, str]
         hint = {errno.EMFILE: "this process has too many open files: close files or raise "
                               "the limit (ulimit -n)",
                 errno.ELOOP: "the path is a symbolic link, which scratch files never follow",
@@ -144,7 +145,8 @@ def _byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
     span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // isz + 1
     flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(isz,),
                                            writeable=writable and a.flags.writeable)
-    return memoryview(flat.view(np.uint8))
+    # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+    return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
 
 
 _sieve: list[memoryview] = []
@@ -216,7 +218,9 @@ def _copy_runs(write: bool, file_addrs: np.ndarray, mem_addrs: np.ndarray,
                lens: np.ndarray) -> bool:
     """Copy runs between mapped file pages and memory by the kernel; True when every byte
     moved (False: a page could not be had, e.g. the file was truncated)."""
-    fn = _process_vm()[1 if write else 0]
+    fns = _process_vm()
+    assert fns is not None, "callers check _process_vm() first"
+    fn = fns[1 if write else 0]
     k = lens.size
     mem = np.empty((k, 2), dtype=np.uint64)
     mem[:, 0] = mem_addrs

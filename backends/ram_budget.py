@@ -184,7 +184,7 @@ class RamBudget:
 
     @property
     def binding(self) -> str:
-        return min(self.terms, key=self.terms.get) if self.terms else "none"
+        return min(self.terms, key=self.terms.__getitem__) if self.terms else "none"
 
     def describe(self) -> str:
         others = [f"{k}: {_fmt_bytes(v)}" for k, v in self.terms.items() if k != self.binding]
@@ -265,6 +265,6 @@ def _no_room(e: OSError, path: str, needed: int, what: str) -> OutOfSpaceError:
     b = ram_budget(os.path.dirname(os.path.abspath(path)))
     return OutOfSpaceError(
         path, needed, b.headroom, what=f"{what} in RAM",
-        hint=(f"the system refused the pages ({errno.errorcode.get(e.errno, e.errno)}); "
+        hint=(f"the system refused the pages ({errno.errorcode.get(e.errno or 0, e.errno)}); "
               f"{b.describe()}. Free memory, lower CHEMIO_SHM_LIMIT, or use backend='auto' "
               f"or 'local'"))

@@ -252,6 +252,7 @@ class ShmByteStore:
                 raise StorageError(e.errno, self.path, None, n, "truncate") from e
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+            assert self._win is not None        # self._window() mapped it
             if n > self._win.length:
                 self._win.close()
                 self._win = None
@@ -361,7 +362,8 @@ class ShmArrayStore:
             if size < lay.nbytes:
                 size = seg._seen_size()
             if size < lay.nbytes or w.length < lay.nbytes:
-                raise StorageError(errno.EIO, self.path, 0, lay.nbytes, "write" if write else "read",
+                raise StorageError(errno.EIO, self.path, 0, lay.nbytes,
+                                   "write" if write else "read",
                                    hint=f"the segment has {size} bytes, the array needs "
                                         f"{lay.nbytes}: it was truncated behind chemio's back")
             for p in lay.pieces(region):
@@ -498,7 +500,7 @@ def node_groups(hosts: list[str], node_ids: list[int]) -> dict[str, list[int]] |
         by_node.setdefault(nid, []).append(r)
     names = [hosts[ranks[0]] for ranks in by_node.values()]
     groups = {}
-    for (nid, ranks), name in zip(by_node.items(), names):
+    for (_nid, ranks), name in zip(by_node.items(), names):
         label = name if names.count(name) == 1 else f"{name} (node of rank {ranks[0]})"
         groups[label] = ranks
     return groups
@@ -574,6 +576,7 @@ class ShmBackend:
             if mode in ("w+", "x+"):
                 if layout.nbytes:
                     seg._extend(layout.nbytes, f"array of {layout.nbytes} bytes")
+                assert seg._win is not None     # a new store is mapped
                 if layout.nbytes > seg._win.length:
                     seg._remap(layout.nbytes)
             else:

@@ -95,6 +95,7 @@ class _Gate:
         if self._held:
             self._held = False
             self.size = -1
+            assert self._fd is not None         # held: the descriptor is open
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             except OSError:

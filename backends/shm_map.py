@@ -66,7 +66,7 @@ class _Window:
 
     def close(self) -> None:
         if self.addr:
-            self.view = None
+            del self.view               # drop the array over the pages before unmapping them
             _libc().munmap(self.addr, self.length)
             self.addr = 0
 

@@ -5,7 +5,8 @@ layout (chunks 500 x 1000 = 4 MB). A 4000 x 4000 section (quick: 1000 x 1000) is
 read back, once aligned (it starts at (0, 0), on chunk boundaries) and once not aligned
 (it starts at (250, 750)). Each write starts with the file out of the page cache (the
 state of an out-of-core array that was written long ago) and is made durable (data sync)
-inside its timing; each cold read follows an eviction of the files from the page cache (fsync + fadvise DONTNEED);
+inside its timing; each cold read follows an eviction of the files from the page cache
+(fsync + fadvise DONTNEED);
 the hot read repeats it with the pages cached. Reads land in one preallocated array.
 
 Methods, on the same data in the same run, interleaved in rotating order:
@@ -273,16 +274,16 @@ def run(quick: bool, workdir: str) -> list[dict]:
                 for m in order:
                     evict(*m.files())              # every write starts from the same state
                     times.setdefault((m.name, "write", case), []).append(
-                        _timed(lambda: m.write(sec, x)))
+                        _timed(lambda: m.write(sec, x)))  # noqa: B023 - called at once
                 for m in order:
                     evict(*m.files())
                     m.open_for_read()
                     out[...] = 0.0
-                    t = _timed(lambda: m.read(sec, out))
+                    t = _timed(lambda: m.read(sec, out))  # noqa: B023 - called at once
                     if rep == 0 and not np.array_equal(out, x):
                         raise AssertionError(f"{m.name} read back other data ({case})")
                     times.setdefault((m.name, "cold read", case), []).append(t)
-                    t = _timed(lambda: m.read(sec, out))
+                    t = _timed(lambda: m.read(sec, out))  # noqa: B023 - called at once
                     times.setdefault((m.name, "hot read", case), []).append(t)
                     m.close_after_read()
         fio_mib = None

@@ -120,7 +120,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
     try:
         for mode, direct, cold in modes:
             def prep() -> None:
-                if cold:
+                if cold:  # noqa: B023 - prep() is called in this iteration only
                     evict(path)
 
             if not cold:

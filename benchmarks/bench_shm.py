@@ -241,8 +241,8 @@ def _dra_case(quick: bool, workdir: str) -> list[dict]:
     rows = []
     nb = s * s * 8
     for case in secs:
-        def m(be, what):
-            return mib_s(nb, _median(t[be, what, case]))
+        def m(be, what):                # called in this iteration only
+            return mib_s(nb, _median(t[be, what, case]))  # noqa: B023
         lab = f"DRA {s}x{s} section of {n}x{n} f8, {case}"
         rows.append(row(f"{lab}: shm write", "MiB/s", m("shm", "write"), "local write+sync",
                         m("local", "write"), None, "default chunks"))

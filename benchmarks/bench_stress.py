@@ -671,7 +671,7 @@ class Eaf:
         total = sum(n for _, n in ranges)
         self.ctx.step(f"{self.desc}.awrite_many({len(ranges)} ranges, {total} B)")
         req = self.f.awrite_many(offs, bufs)
-        for (o, n), d in zip(ranges, datas):
+        for (o, _n), d in zip(ranges, datas):
             self.mwrite(o, d)
         self.ctx.t.op("eaf.awrite_many", self.backend)
         box_lo = min(offs)

@@ -532,7 +532,7 @@ def _bench_one(root: str, n: int, s: int, reps: int, layout: str, codec: str,
             for m in order:
                 evict(*m.files())
                 m.open("r+")
-                t, _ = _timed(lambda: m.write(sec, x))
+                t, _ = _timed(lambda: m.write(sec, x))  # noqa: B023 - called here
                 m.close()
                 evict(*m.files())                  # write-back untimed, before the next one
                 times.setdefault((m.name, "write", case), []).append(t)
@@ -540,7 +540,7 @@ def _bench_one(root: str, n: int, s: int, reps: int, layout: str, codec: str,
                 evict(*m.files())
                 m.open("r")
                 out[...] = 0.0
-                t, got = _timed(lambda: m.read(sec, out))
+                t, got = _timed(lambda: m.read(sec, out))  # noqa: B023 - called here
                 m.close()
                 if rep == 0 and not np.array_equal(got, x):
                     raise AssertionError(f"{m.name} ({layout}, {codec}, {case}) read back "
@@ -710,7 +710,7 @@ def _rows(times: dict, layout: str, codec: str, obj: tuple, inner: tuple | None,
                {"zarr-python": 1.0, "TensorStore": None, "ceiling": 0.8})
     for op in ("write", "cold read"):
         for case in ("aligned", "non-aligned"):
-            def bw(name: str) -> float:
+            def bw(name: str, op: str = op, case: str = case) -> float:
                 return mib_s(nbytes, statistics.median(times[(name, op, case)]))
             others = "; ".join(f"{nm} {_rng(times[(nm, op, case)], nbytes)}"
                                for nm in ("chemio", "zarr-python", "TensorStore", "ceiling")

@@ -15,13 +15,17 @@ records replayed with read-ahead), run-time settings
 from __future__ import annotations
 
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
+
+if _TYPE_CHECKING:
+    import numpy as _np
 
 # In a source checkout the device layer lives in ../backends and is installed as
 # chemio_py.backends; let the package find it there too (as the installed layout does).
 _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_checkout, "backends", "__init__.py")) \
         and _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")):
-    __path__.append(_checkout)  # type: ignore[name-defined]
+    __path__.append(_checkout)
 
 from . import errors  # noqa: E402
 from .comm import comm  # noqa: E402
@@ -44,7 +48,8 @@ from .listing import ls  # noqa: E402
 __version__ = "0.1.0"
 
 
-def aligned_empty(shape, dtype="uint8", align: int = 4096):
+def aligned_empty(shape: int | tuple[int, ...], dtype: _Any = "uint8",
+                  align: int = 4096) -> _np.ndarray:
     """An uninitialised array aligned for O_DIRECT (``align``-byte boundary)."""
     from .backends.posix import aligned_empty as _ae
     return _ae(shape, dtype, align)

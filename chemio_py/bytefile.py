@@ -79,7 +79,8 @@ def byte_view(data: Any) -> memoryview:
                             f"{type(data).__name__}") from None
     if mv.format not in _PLAIN_FORMATS:
         refuse_pointers(mv, data)
-    return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))
+    # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+    return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
 
 
 def nbytes_of(buf: Any) -> int:
@@ -122,6 +123,12 @@ class _Many:
     """
 
     __slots__ = ("offsets", "addresses", "sizes", "bits", "total", "views")
+    offsets: np.ndarray
+    addresses: np.ndarray
+    sizes: Any                          # see above: an int or an int64 array
+    bits: int
+    total: int
+    views: Any                          # a list of memoryviews, or _Rows
 
     def size(self, i: int) -> int:
         return self.sizes if type(self.sizes) is int else int(self.sizes[i])
@@ -148,7 +155,8 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
     if isinstance(buffers, np.ndarray) and buffers.ndim >= 2 and buffers.flags.c_contiguous:
         if writable and not buffers.flags.writeable:
             raise ArgumentError(f"{what}() needs writable buffers, got a read-only array")
-        refuse_pointers(memoryview(buffers), buffers)
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        refuse_pointers(memoryview(buffers), buffers)  # type: ignore[arg-type]
         k = len(buffers)
         rowbytes = buffers.nbytes // k if k else 0
         base = buffers.__array_interface__["data"][0]

@@ -116,7 +116,8 @@ def _pread_exact(fd: int, off: int, n: int, path: str) -> bytes:
 
 
 def _pread_into(fd: int, off: int, out: np.ndarray, path: str) -> None:
-    mv = memoryview(out).cast("B")
+    # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+    mv = memoryview(out).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < len(mv):
         n = os.preadv(fd, [mv[done:done + BLOCK]], off + done)
@@ -311,6 +312,7 @@ def _check_pages_and_records(rep: Report, idx: Any, read_at: Any, fd: int, path:
     def load(i: int) -> np.ndarray:
         off, stored, raw, flag, _ = pages[i]
         if flag:
+            assert comp is not None             # a compressed page: maxstored > 0
             _pread_into(fd, off, comp[:stored], path)
         else:
             _pread_into(fd, off, page[:raw], path)

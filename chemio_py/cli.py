@@ -6,7 +6,7 @@ import os
 import platform
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import check, config, scratch
 
@@ -31,7 +31,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     for label, path in places:
         try:
             fs = scratch.stat(path)
-            print(f"  {label:17s} {path}  {_human(fs.free)} free of {_human(fs.total)}, {fs.fstype}")
+            print(f"  {label:17s} {path}  {_human(fs.free)} free of {_human(fs.total)}, "
+                  f"{fs.fstype}")
         except OSError as e:
             print(f"  {label:17s} {path}  not usable: {e}")
     print("\nMPI:")
@@ -111,9 +112,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_script(path: str, name: str):
+def _load_script(path: str, name: str) -> Any:
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None     # path names a .py file
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -185,7 +187,8 @@ def demo_eaf(nrec: int) -> int:
 def _benchmarks_dir() -> str | None:
     import chemio_py
     cands = [os.path.join(p, "benchmarks") for p in chemio_py.__path__]
-    cands += [os.path.join(os.path.dirname(os.path.abspath(chemio_py.__file__)), "..", "benchmarks"),
+    here = os.path.dirname(os.path.abspath(chemio_py.__file__))
+    cands += [os.path.join(here, "..", "benchmarks"),
               os.path.join(os.getcwd(), "benchmarks")]
     for c in cands:
         if os.path.isfile(os.path.join(c, "runner.py")):

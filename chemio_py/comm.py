@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -98,7 +98,8 @@ class MPIComm(Comm):
         return self.mpi.bcast(obj, root=root)
 
     def allgather(self, obj: Any) -> list:
-        return self.mpi.allgather(obj)
+        out: list = self.mpi.allgather(obj)
+        return out
 
     def allreduce(self, value: Any, op: str = "sum") -> Any:
         _check_op(op)
@@ -118,7 +119,7 @@ class _Agreement:
     def __enter__(self) -> "_Agreement":
         return self
 
-    def __exit__(self, etype, exc, tb) -> bool:
+    def __exit__(self, etype: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if self.comm.size == 1:
             return False
         mine = None if exc is None else f"{type(exc).__name__}: {exc}"
@@ -172,7 +173,8 @@ def comm() -> Comm:
             try:
                 from mpi4py import MPI
             except ImportError:
-                size = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+                size = int(os.environ.get("PMI_SIZE")
+                           or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
                 if size > 1:
                     raise ChemIOError(
                         f"this process was started by an MPI launcher with {size} ranks, but "

@@ -338,7 +338,7 @@ Hook = Callable[[dict[str, Any], bool], None]
 
 _lock = threading.Lock()
 _explicit: dict[str, Any] = {}
-_toml_cache: dict[str, tuple[float, dict]] = {}
+_toml_cache: dict[str, tuple[tuple, dict]] = {}
 _hooks: list[tuple[frozenset[str], Hook]] = []
 
 

@@ -22,7 +22,7 @@ import operator
 import os
 import socket
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -33,6 +33,12 @@ from . import sections as _sections
 from .comm import Comm, resolve as _resolve_comm
 from .errors import (ArgumentError, ChemIOError, MetadataError,
                      ModeError, NotSharedError, SectionError, SupersededError)
+
+if TYPE_CHECKING:
+    import dask.array
+    import xarray
+
+    from .prefetch import Pipeline
 
 SUFFIX = ".dra"
 META_SUFFIX = ".json"
@@ -154,7 +160,8 @@ def _record(be: Any, m: _meta.Meta, data: str, mpath: str, keep: bool, inside: b
 def _load_meta(be: Any, data: str, mpath: str) -> _meta.Meta:
     """The metadata of an array: from inside its object, or from the file beside it."""
     if mpath == data and isinstance(be, _backends.SelfDescribing):
-        return _meta.from_description(be.describe(data), data, be.name,
+        # a SelfDescribing backend is a Backend too, so it has a name
+        return _meta.from_description(be.describe(data), data, be.name,  # type: ignore[attr-defined]
                                       _backends.array_formats(be)[0])
     return _meta.load(mpath)
 
@@ -164,13 +171,15 @@ def _check_disjoint(c: Comm, region: tuple, what: str) -> None:
     ranks overlap (a collective write has no defined last writer)."""
     boxes = np.array(c.allgather([(s.start, s.stop) for s in region]), dtype=np.int64)
     lo, hi = boxes[:, :, 0], boxes[:, :, 1]
-    full = (hi > lo).all(axis=1)
+    full = np.asarray((hi > lo).all(axis=1))     # (asarray: numpy's stubs say bool or array)
     meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
     meet &= full[:, None] & full[None, :]
     np.fill_diagonal(meet, False)
     if meet.any():
         i, j = (int(k) for k in np.argwhere(meet)[0])
-        show = lambda k: "[" + ", ".join(f"{a}:{b}" for a, b in boxes[k]) + "]"
+
+        def show(k: int) -> str:
+            return "[" + ", ".join(f"{a}:{b}" for a, b in boxes[k]) + "]"
         raise SectionError(f"{what}: the sections of rank {i} {show(i)} and rank {j} {show(j)} "
                            f"overlap; a collective write needs disjoint sections (decide which "
                            f"rank writes the shared part); nothing was written")
@@ -268,7 +277,10 @@ class DiskArray:
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.create({name!r})"
-        be = store = data = mpath = None
+        be: Any = None                      # these four: set under agreement below
+        store: Any = None
+        data: Any = None
+        mpath: Any = None
         created = False
         try:
             with c.agree(what):
@@ -332,6 +344,7 @@ class DiskArray:
                         if not together:
                             store = cls._open_peer(be, data, mpath, m.uuid, shape_t, dt, ch, c,
                                                    host0, opts)
+            assert m is not None                # made by rank 0 above (and broadcast)
             if together:
                 store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
                                       perms=perms, comm=c, **_attributes(inside, m), **opts)
@@ -421,6 +434,7 @@ class DiskArray:
                 found = _find(path, backend) if c.rank == 0 else None
             if c.size > 1:
                 found = c.bcast(found)
+            assert found is not None            # rank 0's, broadcast
             mpath, data, m = found
             with c.agree(what):
                 be_name = backend or m.backend
@@ -831,7 +845,7 @@ class DiskArray:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             if getattr(self, "_store", None) is not None:
                 self._release()
@@ -840,17 +854,17 @@ class DiskArray:
 
     # ------------------------------------------------------------ pipelines and interop
     def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,
-                    out_dtype: Any = None):
+                    out_dtype: Any = None) -> Pipeline:
         """Read the array in blocks along ``axis`` with read-ahead (``cio.prefetch``)."""
         from .prefetch import iter_blocks
         return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype)
 
-    def to_dask(self, chunks: Any = None):
+    def to_dask(self, chunks: Any = None) -> dask.array.Array:
         """A dask array reading this one; its chunks are whole multiples of the disk chunks."""
         from .interop import to_dask
         return to_dask(self, chunks=chunks)
 
-    def to_xarray(self, dims: Any = None, coords: Any = None, **kw: Any):
+    def to_xarray(self, dims: Any = None, coords: Any = None, **kw: Any) -> xarray.DataArray:
         """A lazily loaded ``xarray.DataArray`` over ``to_dask()`` (needs xarray):
         ``dims`` names the axes, ``coords``/``attrs``/``name``/``chunks`` as in xarray."""
         from .interop import to_xarray

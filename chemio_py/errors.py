@@ -10,7 +10,7 @@ import concurrent.futures as _futures
 import errno as _errno
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -27,14 +27,15 @@ class ChemIOError(Exception):
 class StorageError(ChemIOError, OSError):
     """An I/O call failed in a backend: carries errno, path, offset and size."""
 
-    def __init__(self, err: int, path: str, offset: int | None = None,
-                 size: int | None = None, op: str = "I/O", hint: str = ""):
+    def __init__(self, err: int | None, path: str, offset: int | None = None,
+                 size: int | None = None, op: str = "I/O", hint: str = "") -> None:
         self.offset = offset
         self.size = size
         self.op = op
         where = f" at offset {offset}" if offset is not None else ""
         what = f" of {size} bytes" if size is not None else ""
-        msg = f"{op}{what}{where} failed: {_errno.errorcode.get(err, err)} ({_os_strerror(err)})"
+        code = _errno.errorcode.get(err or 0, err)        # (None: raised without an errno)
+        msg = f"{op}{what}{where} failed: {code} ({_os_strerror(err)})"
         if hint:
             msg += f". {hint}"
         OSError.__init__(self, err, msg, path)
@@ -43,8 +44,10 @@ class StorageError(ChemIOError, OSError):
         return f"{self.strerror}: {self.filename!r}"
 
 
-def _os_strerror(err: int) -> str:
+def _os_strerror(err: int | None) -> str:
     import os
+    if err is None:  # an OSError raised without an errno
+        return "unknown error"
     try:
         return os.strerror(err)
     except ValueError:  # pragma: no cover

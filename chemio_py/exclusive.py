@@ -87,4 +87,5 @@ class ExclusiveFile(ByteFile):
         """
         be, _, path = _locate(name, backend, dir)
         scratch.disown(path)
-        return be.remove(path)
+        removed: bool = be.remove(path)
+        return removed

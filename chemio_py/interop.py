@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import uuid as _uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,10 @@ from .comm import resolve as _resolve_comm
 from .diskarray import DiskArray, block_section
 from .errors import ArgumentError
 from .progress import Progress, check as _check_progress
+
+if TYPE_CHECKING:
+    import dask.array
+    import xarray
 
 SLAB_BYTES = 64 << 20          # HDF5 copies move slabs of about this size
 DASK_CHUNK_BYTES = 64 << 20    # default dask chunk: disk chunks grown to about this size
@@ -59,7 +63,7 @@ def dask_chunks(chunks: tuple, shape: tuple, itemsize: int,
     return tuple(ch)
 
 
-def to_dask(d: DiskArray, chunks: Any = None) -> Any:
+def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
     """A lazy dask array over DiskArray ``d``; ``chunks`` default: whole disk chunks
     grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing), unless
     its store reads without chemio (``as_dask``, e.g. ``zarr``: ``da.from_zarr`` of its
@@ -76,7 +80,7 @@ def to_dask(d: DiskArray, chunks: Any = None) -> Any:
 
 
 def to_xarray(d: DiskArray, dims: Any = None, coords: Any = None, *, name: str | None = None,
-              attrs: dict | None = None, chunks: Any = None) -> Any:
+              attrs: dict | None = None, chunks: Any = None) -> xarray.DataArray:
     """A lazily loaded ``xarray.DataArray`` over ``to_dask(d)``: nothing is read until it
     is computed. ``dims`` names the axes (default ``dim_0``, ``dim_1``, ...); ``coords`` and
     ``attrs`` are passed to ``xarray.DataArray``; ``name`` defaults to the array's name.
@@ -252,7 +256,7 @@ def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any
     _check_progress(progress)
     c = _resolve_comm(comm)
     what = f"DiskArray.from_hdf5({str(h5file)!r}, {dataset!r})"
-    info = None
+    info: Any = None
     with c.agree(what):
         if c.rank == 0:
             import h5py

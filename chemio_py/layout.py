@@ -219,15 +219,15 @@ class Layout:
                 if not within_chunks:
                     out.append(r)
                     continue
-                k = next((k for k, s in enumerate(r) if s.stop - s.start > 1), None)
-                if k is None:
+                j = next((j for j, s in enumerate(r) if s.stop - s.start > 1), None)
+                if j is None:
                     out.append(r)
                     continue
-                s = r[k]
+                s = r[j]
                 parts = min(_ceil_div(nb, task_bytes), s.stop - s.start)
                 step = _ceil_div(s.stop - s.start, parts)
                 for a in range(s.start, s.stop, step):
-                    out.append(r[:k] + (slice(a, min(a + step, s.stop)),) + r[k + 1:])
+                    out.append(r[:j] + (slice(a, min(a + step, s.stop)),) + r[j + 1:])
         out.sort(key=lambda r: tuple(s.start for s in r))
         return out
 

@@ -160,7 +160,7 @@ def validate(doc: Any, src: str = "<document>") -> Meta:
     """Check an untrusted metadata document; return it as ``Meta`` or raise ``MetadataError``."""
     if not isinstance(doc, dict):
         raise _bad(src, f"expected a JSON object, found {type(doc).__name__}")
-    fmt = doc.get("format")
+    fmt: Any = doc.get("format")
     if not _int(fmt):
         raise _bad(src, f"'format' must be an int version, found {fmt!r:.40}",
                    "is this a chemio_py DiskArray?")

@@ -34,7 +34,7 @@ import itertools
 import math
 import operator
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 import numpy as np
 
@@ -90,11 +90,11 @@ class _Op:
     """One request of a pipeline: what it reads, where, and when it ran."""
 
     __slots__ = ("key", "slot", "req", "own", "out", "nbytes", "t_issue", "t_done")
+    req: requests.Request           # set right after the request is started
 
     def __init__(self, key: Any, slot: int):
         self.key = key
         self.slot = slot
-        self.req: requests.Request | None = None
         self.own: requests.Request | None = None     # a pool task of ours: safe to cancel
         self.out: Any = None
         self.nbytes = 0
@@ -243,7 +243,7 @@ class Pipeline:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:
@@ -286,9 +286,10 @@ def prefetch(read_into: Callable[[Any, Any], Any], keys: Iterable[Any],
 DEFAULT_BLOCK_BYTES = 64 << 20      # cap of a default block (the ring holds depth + 1)
 
 
-def _block_size(shape: tuple, itemsize: int, chunks: Any, axis: int, size: Any) -> int:
+def _block_size(shape: tuple, itemsize: int, chunks: tuple[int, ...] | None, axis: int,
+                size: Any) -> int:
     if size is None:
-        per_index = itemsize * math.prod(shape[:axis] + shape[axis + 1:])
+        per_index: int = itemsize * math.prod(shape[:axis] + shape[axis + 1:])
         cap = max(1, DEFAULT_BLOCK_BYTES // max(1, per_index))
         return max(1, min(chunks[axis] if chunks else cap, cap))
     try:
@@ -395,7 +396,7 @@ class WriteBehind:
     def _finish(self, op: _Op, wait: float = 0.0, w0: float | None = None) -> None:
         t_now = time.perf_counter()
         done = op.t_done if op.t_done is not None else t_now
-        if wait:
+        if wait and w0 is not None:     # (callers that pass a wait pass its start)
             done = max(done, w0 + wait)
         self.stats.op_done(op.nbytes, op.t_issue, done, wait, w0, op.slot)
         exc = op.req.error
@@ -412,7 +413,7 @@ class WriteBehind:
 
     def _reap(self) -> None:
         if any(op.req.done() for op in self._ops):
-            keep = collections.deque()
+            keep: collections.deque[_Op] = collections.deque()
             for op in self._ops:
                 if op.req.done():
                     self._finish(op)
@@ -476,7 +477,7 @@ class WriteBehind:
     def __enter__(self) -> "WriteBehind":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.close()
         else:
@@ -486,7 +487,7 @@ class WriteBehind:
                 self._closed = True
         return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self._drain()
         except Exception:

@@ -55,11 +55,11 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
-from . import reprs, requests
+from . import reprs, requests, stats
 from .errors import (ArgumentError, ChemIOError, CompressorUnavailableError,  # noqa: F401
                      LimitExceededError, MetadataError, ModeError)
 from .exclusive import ExclusiveFile
@@ -289,7 +289,7 @@ def read_index(read_at: Callable[[int, int], bytes], size: int, where: str,
                             f"it was never flushed, or its header is damaged; {fix}")
     slots.sort(reverse=True)
     top = slots[0][0]
-    first_error = None
+    first_error: MetadataError | None = None
     for k, (gen, tpos, flags, j) in enumerate(slots):
         try:
             idx = _index_at(read_at, size, tpos, 2, where, fix)
@@ -307,6 +307,7 @@ def read_index(read_at: Callable[[int, int], bytes], size: int, where: str,
                              f"damaged ({first_error}); opened at the previous commit "
                              f"(generation {gen}, {idx.records} records)")
         return idx
+    assert first_error is not None          # slots is not empty
     raise first_error
 
 
@@ -392,18 +393,21 @@ def decode_page(codec: Any, entry: list, stored: np.ndarray | None, out: np.ndar
     _, n_stored, raw, flag, crc = entry
     page = out[:raw]
     if flag:
+        assert stored is not None               # a compressed page comes with its bytes
         try:
             codec.decode(stored[:n_stored], out=page)
         except Exception as e:
             raise MetadataError(f"page {i} of {where} does not decompress "
                                 f"({type(e).__name__}: {e}); the file is damaged") from None
-    if crc >= 0 and zlib.crc32(page) != crc:
+    # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+    if crc >= 0 and zlib.crc32(page) != crc:  # type: ignore[arg-type]
         raise MetadataError(f"page {i} of {where} fails its checksum (the bytes on disk are "
                             f"not those written: torn or damaged); the file is damaged")
     return page
 
 
-def iter_records(pages: Iterator, n_records: int, stream: int, where: str) -> Iterator[tuple]:
+def iter_records(pages: Iterator, n_records: int, stream: int,
+                 where: str) -> Generator[tuple, None, None]:
     """The records of a stream of ``stream`` bytes, from ``pages`` yielding ``(key, page)``.
 
     Records are tuples of read-only arrays, views into the pages (valid until the next
@@ -421,7 +425,8 @@ def iter_records(pages: Iterator, n_records: int, stream: int, where: str) -> It
             _, page = next(pages)
         except StopIteration:
             raise MetadataError(f"{where} ends inside a record; the file is damaged") from None
-        mv = memoryview(page).toreadonly()      # replayed arrays are read-only views
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        mv = memoryview(page).toreadonly()  # type: ignore[arg-type]  # (read-only views)
         pos, plen = 0, len(page)
 
     def gather(n: int) -> bytearray:
@@ -537,7 +542,7 @@ class RecordFile:
         self._mode = mode
         self._lock = threading.Lock()
         # per page: offset, stored, raw, compressed?, CRC-32 of the raw bytes (-1: unknown)
-        self._pages: list[list[int] | None] = []
+        self._pages: list[Any] = []     # [off, stored, raw, flag, crc]; None while placed
         self._n = 0                  # records
         self._stream = 0             # stream bytes appended
         self._alloc = _HEADER        # first free byte: nothing committed lies at or after it
@@ -666,7 +671,8 @@ class RecordFile:
             self._put(memoryview(head))
             for a in arrs:
                 if a.nbytes:
-                    self._put(memoryview(a).cast("B"))
+                    # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+                    self._put(memoryview(a).cast("B"))  # type: ignore[arg-type]
                     pad = _pad8(a.nbytes) - a.nbytes
                     if pad:
                         self._put(_ZPAD[:pad])
@@ -680,7 +686,8 @@ class RecordFile:
     def _alloc_buffers(self) -> None:
         from . import aligned_empty
         self._bufs = [aligned_empty((self._page_size,), np.uint8) for _ in range(self._depth + 1)]
-        self._mvs = [memoryview(b) for b in self._bufs]
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        self._mvs = [memoryview(b) for b in self._bufs]  # type: ignore[arg-type]
         self._buf_req = [None] * len(self._bufs)
         self._cur = 0
 
@@ -706,6 +713,7 @@ class RecordFile:
 
     def _write_page(self) -> None:
         """Queue the full page being filled for writing behind (compressed on the pool)."""
+        assert self._wb is not None             # open for writing
         i, raw = self._page_no, self._pos
         view = self._bufs[self._cur][:raw]
         if i == len(self._pages):
@@ -735,7 +743,8 @@ class RecordFile:
 
     def _plain_write(self, i: int, off: int, view: np.ndarray) -> int:
         """On the I/O pool: checksum page ``i`` and write it to its place."""
-        crc = zlib.crc32(view)
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        crc = zlib.crc32(view)  # type: ignore[arg-type]
         self._f.write(off, view)
         self._pages[i][4] = crc
         return len(view)
@@ -746,10 +755,13 @@ class RecordFile:
         A page that does not shrink is stored raw, in the slot it already has if any.
         """
         raw = len(view)
-        crc = zlib.crc32(view)
+        assert self._codec is not None          # called for compressed files only
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        crc = zlib.crc32(view)  # type: ignore[arg-type]
         try:
             enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
-            data, flag = (memoryview(enc), 1) if len(enc) < raw else (memoryview(view), 0)
+            data, flag = ((memoryview(enc), 1) if len(enc) < raw
+                          else (memoryview(view), 0))  # type: ignore[arg-type]
             with self._lock:
                 if flag:
                     off = self._take(len(data), False)
@@ -766,12 +778,14 @@ class RecordFile:
     def _write_partial(self, final: bool) -> None:
         """Write the partly filled page (and wait), into its slot; with ``final`` (close)
         compress it and trim its slot when nothing follows it. Every full page is placed."""
+        assert self._wb is not None             # open for writing
         i, raw, ps = self._page_no, self._pos, self._page_size
         view = self._bufs[self._cur][:raw]
         if i == len(self._pages):
             self._pages.append(None)
-        crc = zlib.crc32(view)
-        data, flag = memoryview(view), 0
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        crc = zlib.crc32(view)  # type: ignore[arg-type]
+        data, flag = memoryview(view), 0  # type: ignore[arg-type]
         if final and self._codec is not None:
             enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
             if len(enc) < raw:
@@ -798,6 +812,7 @@ class RecordFile:
         self._check_open()
         if self._mode == "r":
             return
+        assert self._wb is not None          # open for writing
         try:
             self._wb.flush()                 # full pages: placed and written
             if self._dirty:
@@ -1011,7 +1026,7 @@ class _Replay:
         self._registry = registry
 
     @property
-    def stats(self):
+    def stats(self) -> stats.PipelineStats:
         return self._pipe.stats
 
     @property
@@ -1040,7 +1055,7 @@ class _Replay:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

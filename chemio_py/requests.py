@@ -414,7 +414,7 @@ def gather(reqs: Sequence[Request], value: Any = None, then: Callable[[], Any] |
             out._finish(value)
         return out
     lock = threading.Lock()
-    state = {"left": len(reqs), "error": None}
+    state: dict[str, Any] = {"left": len(reqs), "error": None}
 
     def one_done(r: Request) -> None:
         with lock:
@@ -441,7 +441,8 @@ def waitall(reqs: Iterable[Request], timeout: float | None = None) -> list:
     """Wait for every request; return their results, or raise the first error after all end."""
     reqs = list(reqs)
     deadline = None if timeout is None else time.monotonic() + timeout
-    results, first_error = [], None
+    results: list[Any] = []
+    first_error: BaseException | None = None
     for r in reqs:
         left = None if deadline is None else deadline - time.monotonic()
         e = r.exception(left)
@@ -480,7 +481,7 @@ class Pending:
 
     __slots__ = ("_reqs", "_lock", "_pid")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._reqs: list[Request] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -509,9 +510,9 @@ class Pending:
             with self._lock:                     # an interrupt: keep them for the next drain
                 self._reqs[:0] = [r for r in reqs if _unseen_error(r)]
             raise
-        errors = []
+        errors: list[BaseException] = []
         for r in reqs:
-            if _unseen_error(r):
+            if _unseen_error(r) and r._exc is not None:     # (_unseen_error checks it too)
                 r._seen = True
                 errors.append(r._exc)
         return errors

@@ -169,7 +169,7 @@ def private_root(rank: int = 0, host: str | None = None) -> str:
 
 def shared_root() -> str:
     """The root for shared files and arrays (``CHEMIO_SHARED_SCRATCH`` or first plain entry)."""
-    s = config.get("shared_scratch")
+    s: str | None = config.get("shared_scratch")
     if s:
         return os.path.expanduser(s)
     for e in parse_scratch(config.get("scratch")):
@@ -294,7 +294,8 @@ def _make_private_dir(path: str) -> bool:
                                      f"remove it or choose another CHEMIO_SCRATCH", path)
     if st.st_uid != os.geteuid():
         raise PermissionError(errno.EACCES, f"scratch directory {path!r} belongs to uid "
-                                            f"{st.st_uid}, not to you; choose another CHEMIO_SCRATCH", path)
+                                            f"{st.st_uid}, not to you; choose another "
+                                            f"CHEMIO_SCRATCH", path)
     return False
 
 
@@ -352,7 +353,8 @@ def job_dir(root: str, jobid: str | None = None) -> str:
 
 
 def private_path(name: str, rank: int, dir: str | None = None, root: str | None = None) -> str:
-    """Where this rank's private file ``name`` lives: ``<name>.<rank>`` in its job dir or ``dir``."""
+    """Where this rank's private file ``name`` lives: ``<name>.<rank>`` in its job dir or
+    ``dir``."""
     fname = f"{validate_name(name)}.{rank}"
     if dir is not None:
         return os.path.join(os.path.abspath(os.path.expanduser(dir)), fname)
@@ -840,12 +842,12 @@ def _remove_tree(path: str) -> None:
         except OSError as e:
             failures.append((path, e))
     if failures:
-        p, e = failures[0]
-        code = getattr(e, "errno", None) or errno.EIO
+        p, err = failures[0]
+        code = getattr(err, "errno", None) or errno.EIO
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         raise StorageError(code, path, None, None, "remove the stale job directory",
-                           f"{printable(p)}: {getattr(e, 'strerror', None) or e}{more}; fix that "
-                           f"and run 'chemio clean' again") from e
+                           f"{printable(p)}: {getattr(err, 'strerror', None) or err}{more}; fix "
+                           f"that and run 'chemio clean' again") from err
 
 
 def remove_job_dir(path: str, roots: Iterable[str]) -> bool:

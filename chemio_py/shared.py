@@ -1,7 +1,8 @@
 """Shared Files: one scratch file that every process of the job reads and writes.
 
 Creation, ``close()``, ``sync()`` and ``destroy()`` are collective; ``read``/``write``/
-``aread``/``awrite``/``size``/``flush`` are not. Mutual exclusion is the application's (see ``chemio_py.sync``)::
+``aread``/``awrite``/``size``/``flush`` are not. Mutual exclusion is the application's (see
+``chemio_py.sync``)::
 
     sf = cio.SharedFile("ci.vectors", soft_limit=n * 8 * nproc)     # every rank
     sf.write(rank * n * 8, block); sf.flush(); cio.comm().barrier()
@@ -82,7 +83,9 @@ class SharedFile(ByteFile):
                  backend: str | None = None, comm: Any = None):
         c = _resolve_comm(comm)
         what = f"SharedFile({name!r}) creation"
-        be = store = path = None
+        be: Any = None                      # these three: set under agreement below
+        store: Any = None
+        path: Any = None
         created = False
         try:
             # 1. every rank checks its arguments, and that they are rank 0's.
@@ -177,7 +180,7 @@ class SharedFile(ByteFile):
         self._grow_lock = threading.Lock()
         self._replaced = False
         self._destroyed = False
-        self._sf_path = path
+        self._sf_path: str = path
         super().__init__(store, be_name, "r+")
         handles.claim(path, self)
 
@@ -274,7 +277,7 @@ class SharedFile(ByteFile):
     def path(self) -> str:
         return self._sf_path
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.destroy()
 
     def __repr__(self) -> str:

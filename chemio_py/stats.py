@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from . import config, ownfiles, reprs
 
@@ -143,7 +143,8 @@ def report(print_it: bool | None = None) -> Report:
     rows.append(("total", "", str(t["reads"]), _mib(t["bytes_read"]), str(t["writes"]),
                  _mib(t["bytes_written"]), f"{t['io_seconds']:.3f}", f"{t['wait_seconds']:.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     text = "\n".join(lines)
     pipes = _pipeline_report()
@@ -162,7 +163,7 @@ def report(print_it: bool | None = None) -> Report:
 class _Trace:
     """Collects trace events while ``CHEMIO_TRACE`` (or ``configure(trace=)``) is set."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.on = False
         self.path: str | None = None
         self.events: list[dict] = []
@@ -504,7 +505,7 @@ def _pipeline_report() -> str:
                                for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
-def plot_timeline(source=None, path: str | None = None, ax=None):
+def plot_timeline(source: Any = None, path: str | None = None, ax: Any = None) -> Any:
     """Draw I/O, wait and compute spans as a timeline (one row per track); needs matplotlib.
 
     ``source``: a ``PipelineStats`` (e.g. ``pipe.stats``), a list of them, a list of trace
@@ -534,8 +535,8 @@ def plot_timeline(source=None, path: str | None = None, ax=None):
         else:
             raise TypeError(f"plot_timeline cannot draw {type(item).__name__}; pass "
                             f"PipelineStats or trace events")
-    for spans in tracks.values():
-        for t0, _ in spans:
+    for track_spans in tracks.values():
+        for t0, _ in track_spans:
             t_origin = t0 if t_origin is None else min(t_origin, t0)
     fig = None
     if ax is None:
@@ -551,8 +552,8 @@ def plot_timeline(source=None, path: str | None = None, ax=None):
     names = sorted(tracks, key=order)
     colours = {0: "tab:green", 1: "tab:red", 2: "tab:blue"}
     for row, name in enumerate(names):
-        spans = [(t0 - (t_origin or 0.0), d) for t0, d in tracks[name]]
-        ax.broken_barh(spans, (row - 0.4, 0.8), color=colours[order(name)[1]])
+        bars = [(t0 - (t_origin or 0.0), d) for t0, d in tracks[name]]
+        ax.broken_barh(bars, (row - 0.4, 0.8), color=colours[order(name)[1]])
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names)
     ax.set_xlabel("seconds")

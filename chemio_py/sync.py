@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Self
 
 from .comm import Comm, resolve as _resolve_comm
 from .errors import ArgumentError, SyncError
@@ -82,7 +82,8 @@ class _Collective:
     impl: str
     _what = "object"
 
-    def _setup(self, comm: Any, impl: str | None, check=lambda: None) -> tuple[Comm, str, Any]:
+    def _setup(self, comm: Any, impl: str | None,
+               check: Callable[[], Any] = lambda: None) -> tuple[Comm, str, Any]:
         """Check the arguments on every rank (a failure anywhere raises everywhere)."""
         c = _resolve_comm(comm)
         with c.agree(f"sync.{type(self).__name__}() creation"):
@@ -110,10 +111,10 @@ class _Collective:
     def _free(self) -> None:
         pass
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.free()
 
 
@@ -258,7 +259,7 @@ class Mutex(_Collective):
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def _free(self) -> None:

@@ -122,7 +122,7 @@ def summarize(events: list[dict]) -> dict:
         b = a + ev["dur"] / 1e6
         t0 = a if t0 is None else min(t0, a)
         t1 = b if t1 is None else max(t1, b)
-        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+        args: dict[str, Any] = ev["args"] if isinstance(ev.get("args"), dict) else {}
         cat = ev.get("cat")
         nbytes = args.get("bytes") if isinstance(args.get("bytes"), int) else 0
         if cat == "io":

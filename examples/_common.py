@@ -142,7 +142,8 @@ class Run:
                     agg[k] += pp[k]
         for agg in pipes.values():
             io = agg["io_seconds"]
-            agg["efficiency"] = None if io <= 0 else min(1.0, max(0.0, 1 - agg["wait_seconds"] / io))
+            agg["efficiency"] = (None if io <= 0
+                                 else min(1.0, max(0.0, 1 - agg["wait_seconds"] / io)))
         total["pipelines"] = pipes
         return total
 

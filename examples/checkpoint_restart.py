@@ -70,7 +70,7 @@ def read_pointer(directory: str) -> dict | None:
         return None
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: checkpoint pointer {path!r} is unreadable ({e}); remove the "
-                         f"directory or run with --fresh")
+                         f"directory or run with --fresh") from None
     if not isinstance(rec, dict) or rec.get("generation") not in (0, 1) \
             or not isinstance(rec.get("step"), int) or not isinstance(rec.get("energies"), list):
         raise SystemExit(f"error: checkpoint pointer {path!r} is not a checkpoint of this "

@@ -124,7 +124,8 @@ class SegmentedVectors:
         ring = [np.empty(self.seglen) for _ in range(self.depth + 1)]
         with mutex:
             with cio.WriteBehind(depth=self.depth) as wb:
-                for k, ((_, s), seg) in enumerate(self.segments([(v, s) for s in range(self.nseg)])):
+                pairs = [(v, s) for s in range(self.nseg)]
+                for k, ((_, s), seg) in enumerate(self.segments(pairs)):
                     lo, hi = self.bounds(s)
                     out = ring[k % len(ring)][:hi - lo]   # free: its write completed
                     np.add(seg, partial[lo:hi], out=out)
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = [(v, s) for s in range(vecs.nseg) for v in [S(k)] + [C(j) for j in range(k + 1)]]
             col = np.zeros(k + 1)
             cur = None
-            for (v, s), seg in vecs.segments(keys):
+            for (v, _s), seg in vecs.segments(keys):
                 if v == S(k):
                     cur = seg.copy()
                 else:
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                     heff[:] = 0.0
                     heff[0, 0] = theta
                     k = 0
-                    run.log(f"subspace collapsed to the Ritz vector")
+                    run.log("subspace collapsed to the Ritz vector")
                 # Davidson correction, then orthogonalise to the subspace (twice)
                 denom = theta - hdiag
                 denom[np.abs(denom) < 1e-8] = 1e-8

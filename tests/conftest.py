@@ -26,7 +26,6 @@ for var in ("CHEMIO_SHARED_SCRATCH", "CHEMIO_BACKEND", "CHEMIO_CONFIG", "CHEMIO_
             "CHEMIO_KEEP", "CHEMIO_TRACE", "CHEMIO_IO_THREADS", "CHEMIO_DIRECT"):
     os.environ.pop(var, None)
 
-import chemio_py as cio  # noqa: E402
 from chemio_py import config, scratch, stats  # noqa: E402
 import chemio_py.backends as backends  # noqa: E402
 

@@ -109,8 +109,10 @@ def test_runner_isolates_failures_and_rejects_bad_input(tmp_path):
             return [row("a", "x/s", 2.0, "base", 4.0, 0.4), row("b", "s", 3.0, "base", 2.0,
                     1.0, lower_is_better=True), row("c", "x/s", 1.0)]
     """))
-    (bdir / "bench_broken.py").write_text("def run(quick, workdir):\n    raise ValueError('boom')\n")
-    (bdir / "bench_malformed.py").write_text("def run(quick, workdir):\n    return [{'case': 'x'}]\n")
+    (bdir / "bench_broken.py").write_text(
+        "def run(quick, workdir):\n    raise ValueError('boom')\n")
+    (bdir / "bench_malformed.py").write_text(
+        "def run(quick, workdir):\n    return [{'case': 'x'}]\n")
     out = tmp_path / "out"
     proc = _run(tmp_path, "--dir", str(bdir), "--out", str(out), "--workdir", str(tmp_path))
     assert proc.returncode == 1

@@ -4,7 +4,6 @@ import os
 import shutil
 import warnings
 
-import numpy as np
 import pytest
 
 import chemio_py as cio

@@ -1,7 +1,6 @@
 """Running out of space is an expected event: a clear OutOfSpaceError, earlier data intact."""
 import errno
 import os
-import subprocess
 
 import numpy as np
 import pytest

@@ -198,7 +198,8 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seq=ops)
 def test_matches_bytearray_model(store, seq):
     model = bytearray()

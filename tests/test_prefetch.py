@@ -208,12 +208,12 @@ def test_leaving_early_leaves_nothing(store, how):
                 break
         pipe.close()        # what leaving the function would do; the ring is already busy
     elif how == "break-unnamed":
-        for i, (k, b) in enumerate(make()):      # dropped when the loop ends: finalised
+        for i, (_k, _b) in enumerate(make()):    # dropped when the loop ends: finalised
             if i == 2:
                 break
     elif how == "exception":
         with pytest.raises(KeyError):
-            for i, (k, b) in enumerate(make()):
+            for i, (_k, _b) in enumerate(make()):
                 if i == 3:
                     raise KeyError("consumer failed")
     elif how == "close":
@@ -260,7 +260,7 @@ def test_eio_in_the_middle_surfaces_as_storage_error(disk_store, monkeypatch):
         pipe = cio.prefetch(_reader(f, bs), range(0, N, bs), lambda: np.empty(bs), depth=3)
         got = []
         with pytest.raises(StorageError) as ei:
-            for k, b in pipe:
+            for k, _b in pipe:
                 got.append(k)
         assert got == [0, 1000] and fake.hits == 1
         assert ei.value.errno == errno.EIO and ei.value.offset == 8 * 2000
@@ -322,7 +322,7 @@ def test_write_behind_body_exception_drains(store):
             with WriteBehind(depth=4) as wb:
                 for i in range(3):
                     wb.submit(f.awrite, 8 * 1000 * i, model[1000 * i:1000 * (i + 1)])
-                1 / 0
+                1 / 0  # noqa: B018 - raises inside the with block
         assert wb.in_flight == 0
         _assert_quiet(f, threads)
         assert np.array_equal(f.read(0, np.empty(3000)), model[:3000])

@@ -220,12 +220,12 @@ def test_replay_leaving_early_leaves_nothing(store, compressor, how):
         log.append(*r)
     rep = log.replay(depth=8)
     if how == "break":
-        for i, rec in enumerate(rep):
+        for i, _rec in enumerate(rep):
             if i == 10:
                 break
     elif how == "exception":
         with pytest.raises(RuntimeError):
-            for i, rec in enumerate(rep):
+            for i, _rec in enumerate(rep):
                 if i == 10:
                     raise RuntimeError("consumer failed")
     else:

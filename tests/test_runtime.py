@@ -35,7 +35,8 @@ def test_settings_precedence_and_sources(tmp_path, monkeypatch):
     assert cio.settings()["io_threads"].value == 7
     assert cio.settings()["io_threads"].source == "env:CHEMIO_IO_THREADS"
     cio.configure(io_threads=9)
-    assert (cio.settings()["io_threads"].value, cio.settings()["io_threads"].source) == (9, "explicit")
+    io_threads = cio.settings()["io_threads"]
+    assert (io_threads.value, io_threads.source) == (9, "explicit")
     cio.configure(io_threads=None)
     assert cio.settings()["io_threads"].value == 7
     # per-name rules beat the global backend; an explicit argument beats both

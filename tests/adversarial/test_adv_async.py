@@ -160,7 +160,7 @@ def test_interrupted_blocking_read_leaves_nothing_in_flight(backend):
     with cio.DiskArray.create("intr", (n, n), "f8", backend=backend, chunks=(256, n)) as d:
         d.write((), np.ones((n, n)))
         hit = 0
-        for attempt in range(20):
+        for _attempt in range(20):
             out = np.full((n, n), np.nan)
             if backend == "local":
                 d.flush()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import chemio_py as cio
-from chemio_py.errors import (ArgumentError, MetadataError, SectionError, StorageError)
+from chemio_py.errors import (ArgumentError, MetadataError, SectionError)
 from chemio_py.errors import SupersededError
 
 

@@ -87,7 +87,7 @@ def root(tmp_path):
     r = tmp_path / "root"
     r.mkdir()
     yield r
-    for dp, dns, fns in os.walk(r):             # undo chattr +i, if a test left it
+    for dp, _dns, fns in os.walk(r):             # undo chattr +i, if a test left it
         for n in fns:
             subprocess.run(["chattr", "-i", os.path.join(dp, n)], capture_output=True)
     shutil.rmtree(r, ignore_errors=True)
@@ -472,9 +472,9 @@ def test_scan_and_remove_survive_directories_vanishing_under_them(root):
         rng.shuffle(dirs)
         stop = threading.Event()
 
-        def vanish():
-            for d in dirs:
-                if stop.is_set():
+        def vanish():                   # runs in a thread joined in this same iteration
+            for d in dirs:  # noqa: B023
+                if stop.is_set():  # noqa: B023
                     return
                 shutil.rmtree(d, ignore_errors=True)
 
