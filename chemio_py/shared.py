@@ -87,6 +87,7 @@ class SharedFile(ByteFile):
         store: Any = None
         path: Any = None
         created = False
+        tokened = False                     # rank 0 wrote the token file (it removes it)
         try:
             # 1. every rank checks its arguments, and that they are rank 0's.
             with c.agree(what):
@@ -120,6 +121,7 @@ class SharedFile(ByteFile):
             #    opens the file on every rank at once instead, in step 4.
             together = _backends.is_collective(be)
             token = b""
+            tokened = False                 # rank 0 wrote the token file (it removes it)
             with c.agree(what):
                 if c.rank == 0:
                     path = os.path.join(scratch.job_dir(be.root("shared")),
@@ -137,7 +139,9 @@ class SharedFile(ByteFile):
                             store.reserve(reserve)
                     if c.size > 1:
                         token = os.urandom(_TOKEN_BYTES)
+                        tokened = True
                         _write_token(be, path + _TOKEN_SUFFIX, token)
+                        tokened = True
             # 3. every other rank proves it sees rank 0's directory, then opens the file.
             if c.size > 1:
                 path, token = c.bcast((path, token) if c.rank == 0 else None)
@@ -159,12 +163,14 @@ class SharedFile(ByteFile):
             if c.size > 1:
                 with c.agree(what):
                     if c.rank == 0:
+                        tokened = False
                         _drop_token(be, path + _TOKEN_SUFFIX)
         except BaseException:
             if store is not None:
                 _backends.close_local(store)
-            if created:
+            if tokened:
                 _drop_token(be, path + _TOKEN_SUFFIX)
+            if created:
                 be.remove(path)
                 scratch.disown(path)
             raise
