@@ -467,17 +467,55 @@ class DiskArray:
                    meta_path=mpath, mode=mode, comm=c, owner=False)
 
     # ------------------------------------------------------------ properties
-    shape = property(lambda self: self._meta.shape, doc="The array's shape.")
-    dtype = property(lambda self: self._meta.dtype, doc="The element type (native order).")
-    chunks = property(lambda self: self._meta.chunks, doc="The chunk shape on disk.")
-    name = property(lambda self: self._meta.name, doc="The name given at creation.")
-    path = property(lambda self: self._data_path, doc="The data file.")
-    meta_path = property(lambda self: self._meta_path, doc="The metadata (JSON) file.")
-    mode = property(lambda self: self._mode, doc="'r' or 'r+'.")
-    persistent = property(lambda self: self._meta.persistent,
-                          doc="True when the array outlives close() (created with path=).")
-    comm = property(lambda self: self._comm, doc="The communicator of collective calls.")
-    stats = property(lambda self: self._stats, doc="This array's I/O counters.")
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape."""
+        return self._meta.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The element type (native order)."""
+        return self._meta.dtype
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunk shape on disk (the storage objects of ``zarr``)."""
+        return self._meta.chunks
+
+    @property
+    def name(self) -> str:
+        """The name given at creation."""
+        return self._meta.name
+
+    @property
+    def path(self) -> str:
+        """The data file (a directory for ``zarr``)."""
+        return self._data_path
+
+    @property
+    def meta_path(self) -> str:
+        """The metadata file (JSON); the data path itself when the object holds it."""
+        return self._meta_path
+
+    @property
+    def mode(self) -> str:
+        """'r' or 'r+'."""
+        return self._mode
+
+    @property
+    def persistent(self) -> bool:
+        """True when the array outlives close() (created with path=)."""
+        return self._meta.persistent
+
+    @property
+    def comm(self) -> Comm:
+        """The communicator of collective calls."""
+        return self._comm
+
+    @property
+    def stats(self) -> stats.FileStats:
+        """This array's I/O counters."""
+        return self._stats
 
     @property
     def ndim(self) -> int:
