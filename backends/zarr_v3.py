@@ -52,6 +52,7 @@ _SPACE = (errno.ENOSPC, errno.EDQUOT)
 _STRIPES = 64
 _DIRTY_MAX = 1 << 16             # objects remembered for flush; beyond: flush syncs all
 _MODES = ("r", "r+", "w+", "x+")
+_AHEAD = 64                       # objects a read opens and queues before reading them
 
 
 def _spf(n: int) -> int:
@@ -174,8 +175,8 @@ class ZarrArrayStore:
                 raise self._error(e, full, "mkdir") from e
             st = os.lstat(full)
         if not _stat.S_ISDIR(st.st_mode):
-            raise MetadataError(f"{full!r} inside the Zarr array {self.path!r} is "
-                                f"{'a symbolic link' if _stat.S_ISLNK(st.st_mode) else 'not a directory'}"
+            what = "a symbolic link" if _stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise MetadataError(f"{full!r} inside the Zarr array {self.path!r} is {what}"
                                 f"; refused (objects must stay inside the array's directory)")
         self._dirs.add(rel)
         return True
@@ -258,9 +259,12 @@ class ZarrArrayStore:
                 fcntl.lockf(self._lockfd, fcntl.LOCK_UN, 1, at)
 
     # ------------------------------------------------------------ reading objects
-    def _read_object(self, index: tuple, local: tuple, out: np.ndarray) -> None:
-        """Fill ``out`` with the object-local box ``local`` of object ``index``."""
-        fd = self._open_object(index)
+    def _read_object(self, index: tuple, local: tuple, out: np.ndarray,
+                     fd: int | None = None) -> None:
+        """Fill ``out`` with the object-local box ``local`` of object ``index`` (``fd``: its
+        descriptor already open, -1 when absent; this call closes it)."""
+        if fd is None:
+            fd = self._open_object(index)
         if fd < 0:
             out[...] = self.meta.fill
             return
@@ -290,7 +294,8 @@ class ZarrArrayStore:
             os.close(fd)
 
     def _readinto(self, fd: int, out: np.ndarray, where: str) -> None:
-        mv = memoryview(out.reshape(-1).view(np.uint8))
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        mv = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         done, n = 0, len(mv)
         try:
             while done < n:
@@ -303,6 +308,7 @@ class ZarrArrayStore:
 
     def _index(self, fd: int, size: int, where: str) -> np.ndarray:
         sh = self.meta.shard
+        assert sh is not None                   # only called for sharded arrays
         n = sh.index_nbytes
         if size < n:
             raise MetadataError(f"{where}: the shard has {size} bytes, too few for its index "
@@ -315,6 +321,7 @@ class ZarrArrayStore:
         """(inner index k, inner-local slices, object-local slices) of inner chunks meeting
         the object-local box ``local``."""
         sh = self.meta.shard
+        assert sh is not None                   # only called for sharded arrays
         inner = sh.inner
         ranges = [range(s.start // c, -(-s.stop // c)) for s, c in zip(local, inner)]
         for pos in product(*ranges):
@@ -329,6 +336,7 @@ class ZarrArrayStore:
 
     def _read_shard(self, fd: int, where: str, local: tuple, out: np.ndarray) -> None:
         sh = self.meta.shard
+        assert sh is not None                   # only called for sharded arrays
         size = self._size(fd, where)
         idx = self._index(fd, size, where)
         boxes = list(self._inner_boxes(local))
@@ -361,6 +369,8 @@ class ZarrArrayStore:
             flat = a.reshape(-1).view(np.uint8)
             if flat.size % 8 == 0:
                 flat = flat.view(np.uint64)
+            if flat.size and (flat[0] or flat[-1]):     # most data: no scan needed
+                return False
             return not flat.any()
         f = np.ascontiguousarray(np.broadcast_to(self.meta.fill, arr.shape))
         return np.ascontiguousarray(arr).tobytes() == f.tobytes()
@@ -402,26 +412,35 @@ class ZarrArrayStore:
         """Write the disjoint ``pieces`` [(object-local slices, array)] into object
         ``index``; ``covered``: they cover all of its elements inside the array, so
         nothing stored needs reading. Holds the object's lock."""
+        if self._lockfd < 0:                    # threads of this process only
+            with self._stripes[hash(index) % _STRIPES]:
+                self._store(index, pieces, covered)
+            return
         with self._locked(index):
-            if self.meta.shard is not None:
-                self._store_shard(index, pieces, covered)
-                return
-            chunks = self.chunks
-            if covered and len(pieces) == 1 and pieces[0][1].shape == chunks:
-                buf = np.ascontiguousarray(pieces[0][1])
+            self._store(index, pieces, covered)
+
+    def _store(self, index: tuple, pieces: list, covered: bool) -> None:
+        """``store_object`` under the object's lock."""
+        if self.meta.shard is not None:
+            self._store_shard(index, pieces, covered)
+            return
+        chunks = self.chunks
+        if covered and len(pieces) == 1 and pieces[0][1].shape == chunks:
+            buf = np.ascontiguousarray(pieces[0][1])
+        else:
+            buf = np.empty(chunks, self.dtype)
+            if covered:
+                buf[...] = self.meta.fill
             else:
-                buf = np.empty(chunks, self.dtype)
-                if covered:
-                    buf[...] = self.meta.fill
-                else:
-                    everything = tuple(slice(0, c) for c in chunks)
-                    self._read_object(index, everything, buf)
-                for sl, arr in pieces:
-                    buf[sl] = arr
-            self._put(index, None if self._all_fill(buf) else self._encode_whole(buf))
+                everything = tuple(slice(0, c) for c in chunks)
+                self._read_object(index, everything, buf)
+            for sl, arr in pieces:
+                buf[sl] = arr
+        self._put(index, None if self._all_fill(buf) else self._encode_whole(buf))
 
     def _store_shard(self, index: tuple, pieces: list, covered: bool) -> None:
         sh = self.meta.shard
+        assert sh is not None                   # only called for sharded arrays
         where = self._where(index)
         extent = self._layout.chunk_extent(index)
         boxes = [tuple((s.start, s.stop) for s in sl) for sl, _ in pieces]
@@ -429,7 +448,7 @@ class ZarrArrayStore:
         parts: list = []
         try:
             everything = tuple(slice(0, c) for c in self.chunks)
-            for k, ins, obs in self._inner_boxes(everything):
+            for k, _ins, obs in self._inner_boxes(everything):
                 lo = [s.start for s in obs]
                 hi = [min(s.stop, e) for s, e in zip(obs, extent)]
                 if any(h <= l for l, h in zip(lo, hi)):
@@ -438,7 +457,7 @@ class ZarrArrayStore:
                 need = math.prod(h - l for l, h in zip(lo, hi))
                 hits = []
                 got = 0
-                for (bx, (sl, arr)) in zip(boxes, pieces):
+                for (bx, (_sl, arr)) in zip(boxes, pieces):
                     a = [max(l, b[0]) for l, b in zip(lo, bx)]
                     b = [min(h, b[1]) for h, b in zip(hi, bx)]
                     if all(x < y for x, y in zip(a, b)):
@@ -479,12 +498,31 @@ class ZarrArrayStore:
     def read(self, region: tuple, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` from ``region``; absent objects read as the fill value (zero)."""
         self._check(region, out)
-        for p in self._layout.pieces(region):
-            local = tuple(slice(a - i * c, a - i * c + n)
-                          for a, i, c, n in zip(p.start, p.index, self.chunks, p.shape))
-            rel = tuple(slice(a - s.start, a - s.start + n)
-                        for a, s, n in zip(p.start, region, p.shape))
-            self._read_object(p.index, local, out[rel])
+        pieces = list(self._layout.pieces(region))
+        ahead = self.meta.shard is None and len(pieces) > 1
+        for at in range(0, len(pieces), _AHEAD):
+            batch = pieces[at:at + _AHEAD]
+            fds: list = []
+            try:
+                if ahead:       # all reads of the batch queued at once: a deeper device queue
+                    for p in batch:
+                        fd = self._open_object(p.index)
+                        fds.append(fd)
+                        if fd >= 0:
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                for k, p in enumerate(batch):
+                    local = tuple(slice(a - i * c, a - i * c + n)
+                                  for a, i, c, n in zip(p.start, p.index, self.chunks, p.shape))
+                    rel = tuple(slice(a - s.start, a - s.start + n)
+                                for a, s, n in zip(p.start, region, p.shape))
+                    given: int | None = fds[k] if fds else None
+                    if fds:
+                        fds[k] = -1                     # _read_object closes it
+                    self._read_object(p.index, local, out[rel], given)
+            finally:
+                for fd in fds:
+                    if fd >= 0:
+                        os.close(fd)
         return out
 
     def _pieces(self, region: tuple, data: np.ndarray):
@@ -532,7 +570,7 @@ class ZarrArrayStore:
         _wait(self._submit(write, region, arr), None)
 
     def _submit(self, write: bool, region: tuple, arr: np.ndarray,
-                skip: set = frozenset()) -> list:
+                skip: set | frozenset = frozenset()) -> list:
         """Start the objects of ``region`` (minus ``skip``) on the I/O pool in tasks of
         about ``TASK_BYTES``; returns the requests (one task runs here, at once)."""
         from chemio_py import requests
@@ -760,7 +798,7 @@ class ZarrBackend:
                                       attributes)
             if lock not in (True, False):
                 raise ArgumentError(f"lock must be True or False, got {lock!r}")
-            if create and (comm is None or comm.rank == 0):
+            if spec is not None and (comm is None or comm.rank == 0):   # spec: create
                 self._create(path, mode, spec, perms)
         store = None
         with _agree(comm, what):

@@ -31,6 +31,9 @@ def check_mode(mode: Any) -> str:
 
 
 MAX_OFFSET = (1 << 63) - 1          # the largest file offset (and size) the OS knows
+FOLD_AT = stats.FileStats.FOLD_AT   # logged blocking calls folded into the counters
+_clock = time.perf_counter
+_tracing = stats.trace_state
 
 
 def check_offset(offset: Any, what: str = "offset") -> int:
@@ -81,6 +84,19 @@ def byte_view(data: Any) -> memoryview:
         refuse_pointers(mv, data)
     # numpy's stubs make ndarray a Buffer for Python 3.12+ only
     return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
+
+
+def out_view(buf: Any) -> memoryview:
+    """A memoryview of the buffer ``buf`` to read into (the store checks that it is
+    writable and contiguous); ``ArgumentError`` unless it is a buffer of plain values."""
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
+                            f"{type(buf).__name__}") from None
+    if mv.format not in _PLAIN_FORMATS:
+        refuse_pointers(mv, buf)
+    return mv
 
 
 def nbytes_of(buf: Any) -> int:
@@ -210,6 +226,8 @@ class ByteFile:
         self._mode = mode
         self.backend = backend_name
         self._stats = stats.for_file(store.path, backend_name)
+        self._log = self._stats.log                 # the blocking calls' fast accounting
+        self._logged = self._stats.log_entries
         self._pending = requests.Pending()
         scratch.register_open(self)
 
@@ -317,11 +335,19 @@ class ByteFile:
         n = mv.nbytes
         if self._limited:
             self._before_write(offset, n)
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             store.pwrite(offset, mv)
-        finally:
-            self._stats.record("write", n, t0, time.perf_counter(), offset, True)
+        except BaseException:
+            self._stats.record("write", n, t0, _clock(), offset, True)
+            raise
+        t1 = _clock()
+        if _tracing.on:
+            self._stats.record("write", n, t0, t1, offset, True)
+        else:
+            self._log((False, n, t1 - t0))
+            if len(self._logged) > FOLD_AT:
+                self._stats.fold()
         return n
 
     def read(self, offset: int, out: Any) -> Any:
@@ -334,13 +360,21 @@ class ByteFile:
             store = self._open_store()
         if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
-        n = nbytes_of(out)
-        t0 = time.perf_counter()
-        got = 0
+        mv = out_view(out)
+        n = mv.nbytes
+        t0 = _clock()
         try:
-            got = store.pread(offset, out)
-        finally:
-            self._stats.record("read", got, t0, time.perf_counter(), offset, True)
+            got = store.pread(offset, mv)
+        except BaseException:
+            self._stats.record("read", 0, t0, _clock(), offset, True)
+            raise
+        t1 = _clock()
+        if _tracing.on:
+            self._stats.record("read", got, t0, t1, offset, True)
+        else:
+            self._log((True, got, t1 - t0))
+            if len(self._logged) > FOLD_AT:
+                self._stats.fold()
         if got < n or (n == 0 and offset > store.size()):
             raise EndOfFileError(self.path, offset, n, store.size())
         return out

@@ -13,6 +13,7 @@ go to the trace on separate tracks, and ``plot_timeline()`` draws them (matplotl
 from __future__ import annotations
 
 import atexit
+import collections
 import errno
 import html
 import json
@@ -31,19 +32,67 @@ _files: dict[str, "FileStats"] = {}
 
 
 class FileStats:
-    """Counters of one file (kept after the file closes, until ``reset()``)."""
+    """Counters of one file (kept after the file closes, until ``reset()``).
 
-    __slots__ = ("name", "backend", "reads", "writes", "bytes_read", "bytes_written",
-                 "io_seconds", "wait_seconds", "_lock")
+    Blocking calls of the byte files, the hot path of small records, append one tuple to
+    ``log`` (a ``deque.append``: atomic, no lock, no Python frame) instead of calling
+    ``record``; the counters fold the log in when they are read, and the writer folds it
+    every ``FOLD_AT`` entries so it stays small."""
+
+    __slots__ = ("name", "backend", "_reads", "_writes", "_bytes_read", "_bytes_written",
+                 "_io_seconds", "_wait_seconds", "_lock", "_log", "log")
+
+    FOLD_AT = 4096
 
     def __init__(self, name: str, backend: str):
         self.name = name
         self.backend = backend
-        self.reads = self.writes = 0
-        self.bytes_read = self.bytes_written = 0
-        self.io_seconds = 0.0
-        self.wait_seconds = 0.0
+        self._reads = self._writes = 0
+        self._bytes_read = self._bytes_written = 0
+        self._io_seconds = 0.0
+        self._wait_seconds = 0.0
         self._lock = threading.Lock()
+        self._log: collections.deque[tuple[bool, int, float]] = collections.deque()
+        self.log = self._log.append
+        """``log((is_read, nbytes, seconds))``: one blocking call (its time is also wait
+        time). Call ``fold()`` when ``len(log_entries) > FOLD_AT``."""
+
+    @property
+    def log_entries(self) -> collections.deque[tuple[bool, int, float]]:
+        return self._log
+
+    def fold(self) -> None:
+        """Add the logged blocking calls to the counters."""
+        q = self._log
+        with self._lock:
+            while True:
+                try:
+                    is_read, n, dt = q.popleft()
+                except IndexError:
+                    return
+                if is_read:
+                    self._reads += 1
+                    self._bytes_read += n
+                else:
+                    self._writes += 1
+                    self._bytes_written += n
+                self._io_seconds += dt
+                self._wait_seconds += dt
+
+    def _folded(self, value: str) -> Any:
+        if self._log:
+            self.fold()
+        return getattr(self, value)
+
+    reads = property(lambda self: self._folded("_reads"), doc="Read calls.")
+    writes = property(lambda self: self._folded("_writes"), doc="Write calls.")
+    bytes_read = property(lambda self: self._folded("_bytes_read"), doc="Bytes read.")
+    bytes_written = property(lambda self: self._folded("_bytes_written"),
+                             doc="Bytes written.")
+    io_seconds = property(lambda self: self._folded("_io_seconds"),
+                          doc="Seconds the I/O calls took.")
+    wait_seconds = property(lambda self: self._folded("_wait_seconds"),
+                            doc="Seconds callers waited for this file's I/O.")
 
     def record(self, op: str, nbytes: int, t0: float, t1: float, offset: int | None = None,
                blocking: bool = False, count: int = 1) -> None:
@@ -53,21 +102,21 @@ class FileStats:
         """
         with self._lock:
             if op == "read":
-                self.reads += count
-                self.bytes_read += nbytes
+                self._reads += count
+                self._bytes_read += nbytes
             else:
-                self.writes += count
-                self.bytes_written += nbytes
-            self.io_seconds += t1 - t0
+                self._writes += count
+                self._bytes_written += nbytes
+            self._io_seconds += t1 - t0
             if blocking:
-                self.wait_seconds += t1 - t0
+                self._wait_seconds += t1 - t0
         if _trace.on:
             _trace.event(op, "io", t0, t1, {"file": self.name, "offset": offset, "bytes": nbytes})
 
     def waited(self, seconds: float) -> None:
         """Count time the caller spent blocked on this file's I/O."""
         with self._lock:
-            self.wait_seconds += seconds
+            self._wait_seconds += seconds
 
     def as_dict(self) -> dict:
         return {"file": self.name, "backend": self.backend, "reads": self.reads,
@@ -192,6 +241,9 @@ class _Trace:
 
 
 _trace = _Trace()
+trace_state = _trace
+"""``trace_state.on`` is True while trace events are collected (the byte files' fast path
+checks it before logging a call without its event)."""
 
 
 def refresh_trace() -> None:
