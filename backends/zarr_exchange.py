@@ -26,22 +26,22 @@ ROUND_BYTES = 256 << 20          # received bytes per owner and round (at most)
 _COUNT_LIMIT = (1 << 31) - 1
 
 
-Box = tuple  # (lo tuple, hi tuple) or None when empty
+Box = tuple  # (lo tuple, hi tuple); None stands for an empty box
 
 
-def box_of(region: tuple) -> Box:
+def box_of(region: tuple) -> Box | None:
     if any(s.stop <= s.start for s in region):
         return None
     return tuple(s.start for s in region), tuple(s.stop for s in region)
 
 
-def _overlap(a: Box, b: Box) -> Box:
+def _overlap(a: Box, b: Box) -> Box | None:
     lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(min(x, y) for x, y in zip(a[1], b[1]))
     return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
 
 
-def _count(b: Box) -> int:
+def _count(b: Box | None) -> int:
     return 0 if b is None else math.prod(h - l for l, h in zip(*b))
 
 
@@ -156,12 +156,13 @@ def exchange(comm: Any, region: tuple, data: np.ndarray, chunks: tuple, shape: t
 
     def my_piece(o: Contested) -> np.ndarray:
         ov = _overlap(object_box(o.index, chunks, shape), mybox)
+        assert ov is not None                   # a toucher's piece is never empty
         rel = tuple(slice(l - s.start, h - s.start) for l, h, s in zip(*ov, region))
         return data[rel]
 
     for items in rounds:
-        send = [[] for _ in range(nranks)]          # per destination: byte views
-        recv = [[] for _ in range(nranks)]          # per source: (object, lo, hi)
+        send: list[list[Any]] = [[] for _ in range(nranks)]  # per destination: byte views
+        recv: list[list[Any]] = [[] for _ in range(nranks)]  # per source: (object, lo, hi)
         for o, k in items:
             if me in o.senders:
                 if o.index not in packed:
@@ -201,6 +202,7 @@ def exchange(comm: Any, region: tuple, data: np.ndarray, chunks: tuple, shape: t
             bufs = assembly.pop(o.index, {})
             for s in o.touchers:
                 ov = _overlap(ob, boxes[s])
+                assert ov is not None           # a toucher's piece is never empty
                 local = tuple(slice(l - b, h - b) for l, h, b in zip(*ov, ob[0]))
                 if s == me:
                     arr = my_piece(o)

@@ -238,7 +238,8 @@ class Pipeline:
         buf: Any = arr
         for c in self.codecs:
             buf = c.encode(buf)
-        return buf if self.codecs else memoryview(arr).cast("B")
+        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+        return buf if self.codecs else memoryview(arr).cast("B")  # type: ignore[arg-type]
 
     def decode(self, buf: Any, out: np.ndarray) -> np.ndarray:
         """Decode stored bytes ``buf`` into the C-contiguous chunk ``out``; ValueError if
@@ -465,6 +466,7 @@ def _parse_shard(conf: dict, chunks: tuple, itemsize: int, where: str) -> Shard:
     loc = conf.get("index_location", "end")
     if loc not in ("end", "start"):
         raise MetadataError(f"{w}: index_location {loc!r} is not 'start' or 'end'")
+    assert names is not None                # ok above implies it
     return Shard(inner, pipe, len(names) == 2, loc == "end", per)
 
 
