@@ -269,6 +269,7 @@ class Capabilities:
     read_cached: Callable | None = None
     check_write: Callable | None = None
     write_streams: int | None = None       # concurrent writers worth having (None: any)
+    read_streams: int | None = None        # concurrent readers worth having (None: any)
     collective: bool = False               # read_all/write_all are true collective I/O
     byte_addressable: bool = False
 
@@ -282,6 +283,7 @@ def capabilities(store: Any) -> Capabilities:
     nat = isinstance(store, NativeAsync)
     many = isinstance(store, NativeAsyncMany)
     streams = getattr(store, "write_streams", None)
+    readers = getattr(store, "read_streams", None)
     return Capabilities(
         native_read=store.native_read if nat else None,
         native_write=store.native_write if nat else None,
@@ -291,6 +293,7 @@ def capabilities(store: Any) -> Capabilities:
         read_cached=store.read_cached if isinstance(store, CachedRead) else None,
         check_write=store.check_write if isinstance(store, WriteCheck) else None,
         write_streams=streams if isinstance(streams, int) and streams > 0 else None,
+        read_streams=readers if isinstance(readers, int) and readers > 0 else None,
         collective=getattr(store, "collective", False) is True,
         byte_addressable=getattr(store, "byte_addressable", False) is True)
 

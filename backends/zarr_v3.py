@@ -95,6 +95,8 @@ class ZarrArrayStore:
 
     byte_addressable = False
     collective = True
+    # Encoding and decoding are CPU work: more tasks than two per core only contend.
+    read_streams = write_streams = 2 * (os.cpu_count() or 1)
 
     def __init__(self, path: str, meta: zf.ZarrMeta, writable: bool, perms: int,
                  comm: Any = None, lock: bool = False):

@@ -669,12 +669,12 @@ class DiskArray:
         self._stats.record("write" if write else "read", arr.nbytes, t0, time.perf_counter())
 
     def _streams(self, store: Any, write: bool, ntasks: int) -> int:
-        """How many tasks of one section move at once: the I/O threads, for writes at most
-        the store's ``write_streams`` (beyond it concurrent writers only contend)."""
+        """How many tasks of one section move at once: the I/O threads, at most the
+        store's ``write_streams``/``read_streams`` (beyond them concurrent tasks only
+        contend, e.g. for the CPU of a compressing store)."""
         n = max(1, int(config.get("io_threads")))
-        if write:
-            n = min(n, self._caps.write_streams or n)
-        return max(1, min(ntasks, n))
+        cap = self._caps.write_streams if write else self._caps.read_streams
+        return max(1, min(ntasks, n, cap or n))
 
     def _taskrun(self, store: Any, write: bool, tasks: list) -> tuple[requests.TaskRun, int]:
         run = requests.TaskRun(functools.partial(self._task, store, write), tasks, self._stats)
