@@ -85,6 +85,11 @@ def test_semi_direct_scf_serial(store, tmp_path):
     # the cache was written once and replayed every later iteration
     assert r["io"]["bytes_written"] >= r["stored_bytes"]
     assert r["io"]["bytes_read"] >= (r["iterations"] - 1) * r["stored_bytes"]
+    # PySCF's in-core and direct RHF on the same molecule, timed beside this one
+    for how in ("incore", "direct"):
+        assert abs(r[f"pyscf_{how}_energy"] - r["energy"]) < 1e-8
+        assert r[f"pyscf_{how}_seconds"] > 0 and r[f"pyscf_{how}_cycles"] > 0
+    assert 0 < r["scf_seconds"] <= r["seconds"]
 
 
 def test_semi_direct_scf_screening_and_overflow(tmp_path):
@@ -119,6 +124,31 @@ def test_ri_mp2_out_of_core_with_dask(store, tmp_path):
     assert r["block_rows"] < r["nocc"] and r["passes"] == r["iblocks"] > 1
     assert r["tensor_reads"] > 1.0
     assert r["io"]["pipelines"]["ri_mp2 j-blocks"]["ops"] > r["iblocks"]
+
+
+def test_ri_mp2_density_fitted_scf(tmp_path):
+    """``--scf df``: the reference is a DF-RHF (JK-fit basis); the MP2 still uses the
+    mp2fit basis, and PySCF's DFMP2 on that same SCF agrees. PySCF first, then ours."""
+    r = run_example("ri_mp2", ["--basis", "cc-pvdz", "--scf", "df", "--max-memory", "0.05",
+                               "--reference-first", "--quiet"], tmp_path)
+    assert r["scf"] == "df" and r["abs_error"] < 1e-9
+    conventional = -76.026765673  # RHF/cc-pVDZ water; the DF-RHF differs by the JK fit
+    assert 1e-7 < abs(r["e_hf"] - conventional) < 1e-3
+    assert r["block_rows"] < r["nocc"] and r["aux_blocks"] > 1
+    assert r["ooc_seconds"] == pytest.approx(r["build_seconds"] + r["energy_seconds"],
+                                             abs=2e-3)
+    assert r["reference_seconds"] > 0
+    # B went to disk once; the energy loop read it block by block, several passes
+    assert r["io"]["pipelines"]["ri_mp2 fit write"]["bytes"] == r["tensor_bytes"]
+    assert r["tensor_reads"] > 1.0
+
+
+def test_ri_mp2_scf_auxbasis_needs_df(tmp_path):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "ri_mp2.py"), "--scf-auxbasis",
+                        "cc-pvdz-jkfit", "--quiet"], capture_output=True, text=True,
+                       timeout=60, env=_env(tmp_path)[0], cwd=str(tmp_path))
+    assert r.returncode == 2 and "--scf-auxbasis needs --scf df" in r.stderr
+    assert not _leftovers(tmp_path / "scratch")
 
 
 @pytest.mark.mpi
