@@ -268,6 +268,7 @@ class Capabilities:
     read_nowait: Callable | None = None
     read_cached: Callable | None = None
     check_write: Callable | None = None
+    evict: Callable | None = None          # drop the object's cached pages and mappings
     write_streams: int | None = None       # concurrent writers worth having (None: any)
     read_streams: int | None = None        # concurrent readers worth having (None: any)
     collective: bool = False               # read_all/write_all are true collective I/O
@@ -292,6 +293,7 @@ def capabilities(store: Any) -> Capabilities:
         read_nowait=store.read_nowait if isinstance(store, NonBlockingRead) else None,
         read_cached=store.read_cached if isinstance(store, CachedRead) else None,
         check_write=store.check_write if isinstance(store, WriteCheck) else None,
+        evict=getattr(store, "evict", None),
         write_streams=streams if isinstance(streams, int) and streams > 0 else None,
         read_streams=readers if isinstance(readers, int) and readers > 0 else None,
         collective=getattr(store, "collective", False) is True,

@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
+import math
 import mmap
 import os
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from chemio_py import config, scratch
+from chemio_py.layout import c_strides
 from chemio_py.errors import OutOfSpaceError, StorageError
 
 from . import linux_aio
+from . import posix
 from .posix import (DIRECT_ALIGN, _address, _byte_span, _bytes_view, _copy_runs,
                     _fallocate_keep_size, _mincore, _mincore_ok, _process_vm, _sieve_buffer,
                     _unlink_regular, open_checked)
@@ -47,6 +53,64 @@ _ADVICE = {
 _PREFETCH_GAP_PAGES = 16        # partial pages closer than this are fetched in one request
 _BIG_SEGMENT = 1 << 20          # runs this long on average use preadv/pwritev, cached or not
 _IN_PLACE_FS = ("ext2", "ext3", "ext4", "xfs", "tmpfs")   # overwrite allocated blocks in place
+# Bytes of array files that stay mapped (read-only) for copies from the page cache, over all
+# open stores, are capped by the ``map_cap`` setting; the least recently used mapping is
+# dropped first. A file larger than the cap is read from the page cache by the kernel
+# (process_vm_readv) instead. Mapped pages escape posix_fadvise(DONTNEED):
+# ``DiskArray.evict()`` (the store's ``evict``) and ``drop_mappings()`` unmap first.
+MAP_AFTER_READ = False
+
+
+def map_cap() -> int:
+    """The ``map_cap`` setting in bytes (a share of memory resolved against MemTotal)."""
+    text = config.get("map_cap")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 1 << 34
+    return config.parse_limit(text, total)
+
+
+class _ReadMap:
+    """A read-only mapping of a whole array file, guarded against SIGBUS."""
+
+    __slots__ = ("addr", "nbytes", "base", "guard", "pins", "dead")
+
+    def __init__(self, addr: int, nbytes: int):
+        self.addr, self.nbytes = addr, nbytes
+        self.base: np.ndarray | None = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * nbytes).from_address(addr))
+        self.base.flags.writeable = False          # the pages are mapped PROT_READ
+        self.guard = posix.guard_register(addr, addr + nbytes)
+        self.pins = 0
+        self.dead = False
+
+    def release(self) -> None:
+        """Unmap (the caller holds ``_maps_lock`` and no copy uses the mapping)."""
+        posix.guard_unregister(self.guard)
+        self.base = None
+        posix.unmap(self.addr, self.nbytes)
+
+
+_maps: "OrderedDict[int, _ReadMap]" = OrderedDict()     # id(store) -> mapping, LRU first
+_maps_lock = threading.RLock()           # RLock: a store closed by GC while held
+
+
+def _drop_map(key: int) -> None:
+    """Forget a store's mapping; unmapped now, or by the last copy still using it."""
+    m = _maps.pop(key, None)
+    if m is not None:
+        m.dead = True
+        if not m.pins:
+            m.release()
+
+
+def drop_mappings() -> None:
+    """Unmap every array file mapped for cached reads (their pages stay in the page cache,
+    where ``posix_fadvise(DONTNEED)`` and memory pressure can now drop them)."""
+    with _maps_lock:
+        for key in list(_maps):
+            _drop_map(key)
 
 
 class _PosixFile:
@@ -114,8 +178,10 @@ class LocalByteStore(_PosixFile):
 
     def pread(self, offset: int, out: Any) -> int:
         """Fill ``out`` from ``offset``; returns the bytes read (fewer only at end of file)."""
-        mv = _bytes_view(out, writable=True)
-        n = len(mv)
+        mv = out if type(out) is memoryview else memoryview(out)
+        if mv.format != "B" or mv.readonly or not mv.c_contiguous or mv.ndim != 1:
+            mv = _bytes_view(mv, writable=True)     # checks, or a byte cast
+        n = mv.nbytes
         fd = self._fd if self._dfd is None else self._fd_for(mv, offset)
         try:
             done = os.preadv(fd, (mv,), offset)
@@ -133,8 +199,10 @@ class LocalByteStore(_PosixFile):
 
     def pwrite(self, offset: int, data: Any) -> int:
         """Write all of ``data`` at ``offset`` (extending the file); returns its length."""
-        mv = _bytes_view(data, writable=False)
-        n = len(mv)
+        mv = data if type(data) is memoryview else memoryview(data)
+        if mv.format != "B" or not mv.c_contiguous or mv.ndim != 1:
+            mv = _bytes_view(mv, writable=False)    # checks, or a byte cast
+        n = mv.nbytes
         fd = self._fd if self._dfd is None else self._fd_for(mv, offset)
         done = 0
         try:
@@ -420,6 +488,7 @@ class LocalArrayStore(_PosixFile):
         self._map: Any = None                      # (mmap, uint8 view, address), on demand
         self._map_lock = threading.Lock()
         self._map_write_ok: bool | None = None
+        self._plans: dict = {}                     # region -> _plan(region)
 
     def _check(self, region: Any, arr: np.ndarray) -> None:
         want = tuple(s.stop - s.start for s in region)
@@ -529,14 +598,38 @@ class LocalArrayStore(_PosixFile):
     def read(self, region: Any, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` (the region's shape, this array's dtype) from the file; returns it.
 
-        When every page the region needs is in the page cache and its runs are short, the
-        bytes are copied through a mapping of the file (no system call per run); otherwise
-        with ``preadv``.
+        When every page the region needs is in the page cache, the bytes are copied from
+        a read-only mapping of the file (``read_cached``); otherwise with ``preadv``.
         """
         self._check(region, out)
         if out.size and not self.read_cached(region, out):
             self._move(False, region, out)
+            if MAP_AFTER_READ:
+                self._map_pages(region)
         return out
+
+    def _map_pages(self, region: Any) -> None:
+        """Touch one element per page of ``region`` in the read mapping (if the store has
+        one): the page faults map the pages just read, so that the next cached read
+        copies at once (as a memmap's first read maps its pages)."""
+        with _maps_lock:
+            m = _maps.get(id(self))
+            if m is None or m.dead:
+                return
+            m.pins += 1
+        try:
+            if not posix.sigbus_guard_arm():
+                return
+            step = max(1, mmap.PAGESIZE // self.layout.itemsize)
+            for first, counts, gstr, pshape, cs, _ in self._plan(region)[0]:
+                np.ndarray((*counts, *pshape), self.dtype, m.base, first,
+                           (*gstr, *cs))[..., ::step].max()
+            if m.guard.poisoned:
+                with _maps_lock:
+                    if _maps.get(id(self)) is m:
+                        _drop_map(id(self))
+        finally:
+            self._unpin_map(m)
 
     def write(self, region: Any, data: np.ndarray) -> None:
         """Write ``data`` (the region's shape, this array's dtype) into the region.
@@ -561,8 +654,148 @@ class LocalArrayStore(_PosixFile):
         self._check(region, out)
         if out.size == 0:
             return True
+        got = self._copy_mapped(region, out)
+        if got is not None:
+            return got
         segs = self._short_runs(region, out)
         return segs is not None and self._copy_resident(segs, out, False)
+
+    def _pin_map(self) -> _ReadMap | None:
+        """This store's read-only mapping (made on first use), pinned against unmapping;
+        None when the file is empty, larger than the ``map_cap`` setting or cannot be mapped."""
+        n = self.layout.nbytes
+        if not n or self._fd < 0:
+            return None
+        key = id(self)
+        with _maps_lock:
+            m = _maps.get(key)
+            if m is None:
+                cap = map_cap()
+                if n > cap:
+                    return None
+                total = sum(x.nbytes for x in _maps.values())
+                while _maps and total + n > cap:
+                    total -= next(iter(_maps.values())).nbytes
+                    _drop_map(next(iter(_maps)))
+                addr = posix.map_file(self._fd, n)
+                if addr is None:
+                    return None
+                m = _maps[key] = _ReadMap(addr, n)
+            else:
+                _maps.move_to_end(key)
+            m.pins += 1
+            return m
+
+    def _unpin_map(self, m: _ReadMap) -> None:
+        with _maps_lock:
+            m.pins -= 1
+            if m.dead and not m.pins:
+                m.release()
+
+    def _blocks(self, region: Any) -> list[tuple]:
+        """The region as at most 3**ndim blocks of chunk pieces that sit on a regular grid
+        in the file (same extent, same slice of each chunk): per block ``(offset of its
+        first element, grid counts, grid byte strides, piece shape, in-chunk byte strides,
+        start of the block in the region)``. One strided copy then moves a whole block."""
+        isz = self.layout.itemsize
+        shape, chunks = self.shape, self.chunks
+        groups = []                                 # per axis: [(i0, count, lo, hi, extent)]
+        for s, c, n in zip(region, chunks, shape):
+            g: list[list[int]] = []
+            for i in range(s.start // c, -(-s.stop // c)):
+                lo, hi = max(s.start, i * c) - i * c, min(s.stop, (i + 1) * c) - i * c
+                ext = min(c, n - i * c)
+                if g and (g[-1][2], g[-1][3], g[-1][4]) == (lo, hi, ext):
+                    g[-1][1] += 1
+                else:
+                    g.append([i, 1, lo, hi, ext])
+            groups.append(g)
+        trail = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+        out = []
+        for combo in itertools.product(*groups):
+            ext = [e for _, _, _, _, e in combo]
+            cs = c_strides(ext, isz)
+            lead, gstr = 1, []
+            for k, (_, _, _, _, e) in enumerate(combo):
+                gstr.append(chunks[k] * lead * trail[k] * isz)
+                lead *= e
+            first = self.layout.chunk_offset([g[0] for g in combo]) \
+                + sum(g[2] * t for g, t in zip(combo, cs))
+            where = [g[0] * c + g[2] - s.start for g, c, s in zip(combo, chunks, region)]
+            out.append((first, [g[1] for g in combo], gstr, [g[3] - g[2] for g in combo],
+                        cs, where))
+        return out
+
+    def _plan(self, region: Any) -> tuple:
+        """``(blocks, page ranges, pages)`` of a region: its blocks (``_blocks``) and the
+        file's pages its pieces touch as sorted disjoint ``(first, end)`` ranges. Kept for
+        the last few regions (a hot section is read again and again)."""
+        key = tuple((s.start, s.stop) for s in region)
+        plan = self._plans.get(key)
+        if plan is None:
+            blocks = self._blocks(region)
+            page = mmap.PAGESIZE
+            starts, ends = [], []
+            for first, counts, gstr, pshape, cs, _ in blocks:
+                a = np.full(1, first, dtype=np.int64)
+                for n, t in zip(counts, gstr):
+                    a = (a[:, None] + np.arange(n, dtype=np.int64) * t).ravel()
+                starts.append(a)
+                ends.append(a + sum((k - 1) * t for k, t in zip(pshape, cs))
+                            + self.layout.itemsize)
+            a, b = np.concatenate(starts) // page, -(-np.concatenate(ends) // page)
+            order = np.argsort(a, kind="stable")
+            a, b = a[order], np.maximum.accumulate(b[order])
+            cut = np.flatnonzero(a[1:] > b[:-1]) + 1        # a gap: a new range
+            firsts = a[np.concatenate(([0], cut))]
+            lasts = b[np.concatenate((cut - 1, [b.size - 1]))]
+            ranges = list(zip(firsts.tolist(), lasts.tolist()))
+            plan = (blocks, ranges, int((lasts - firsts).sum()))
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _copy_mapped(self, region: Any, out: np.ndarray) -> bool | None:
+        """Copy ``region`` into ``out`` from the store's read-only mapping (one NumPy copy
+        per block of chunk pieces, in the order of ``out``) if every page it needs is in
+        the page cache: True when done, False when a page is not cached (nothing copied)
+        or the file shrank during the copy (a guarded SIGBUS; the caller's ``preadv``
+        then reports it), None when there is no mapping to copy from.
+        """
+        if out.dtype != self.dtype or not _mincore_ok():
+            return None
+        span = _byte_span(out, writable=True)
+        if span is None:
+            return None
+        m = self._pin_map()
+        if m is None:
+            return None
+        try:
+            blocks, ranges, pages = self._plan(region)
+            cached = posix.resident(m.addr, ranges, pages)
+            if cached is None:
+                return None
+            if not cached:
+                return False
+            if not posix.sigbus_guard_arm():
+                return None
+            ost, dt, base = out.strides, self.dtype, m.base
+            assert base is not None                 # pinned: not released
+            for first, counts, gstr, pshape, cs, where in blocks:
+                src = np.ndarray((*counts, *pshape), dt, base, first, (*gstr, *cs))
+                dst = np.ndarray((*counts, *pshape), dt, span,
+                                 sum(w * t for w, t in zip(where, ost)),
+                                 (*(k * t for k, t in zip(pshape, ost)), *ost))
+                np.copyto(dst, src)
+            if m.guard.poisoned:                # the file shrank under the copy
+                with _maps_lock:
+                    if _maps.get(id(self)) is m:
+                        _drop_map(id(self))
+                return False
+            return True
+        finally:
+            self._unpin_map(m)
 
     def _short_runs(self, region: Any, arr: np.ndarray) -> tuple | None:
         """The region's contiguous runs (file offsets, memory offsets, lengths) when they
@@ -644,7 +877,22 @@ class LocalArrayStore(_PosixFile):
     def write_all(self, region: Any, data: np.ndarray, comm: Any = None) -> None:
         self.write(region, data)
 
+    def evict(self) -> None:
+        """Unmap the file (read mapping and mapped pages of writes), then drop its pages
+        from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
+        with _maps_lock:
+            _drop_map(id(self))
+        m = self._map
+        if m is not None:
+            try:
+                m[0].madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):
+                pass
+        super().evict()
+
     def close(self) -> None:
+        with _maps_lock:
+            _drop_map(id(self))
         m, self._map = self._map, None
         if m is not None:
             mm = m[0]

@@ -192,6 +192,18 @@ def _mincore(addr: int, length: int) -> np.ndarray | None:
     return vec & 1
 
 
+def resident(addr: int, ranges: list, pages: int) -> bool | None:
+    """Whether every page of the mapped page ranges ``[(first, end), ...]`` (``pages`` in
+    all) from ``addr`` is in the page cache; None when mincore fails."""
+    vec = np.empty(pages, dtype=np.uint8)
+    at, fn, size = vec.ctypes.data, _mincore_fn[0], mmap.PAGESIZE
+    for a, b in ranges:
+        if fn(addr + a * size, (b - a) * size, at) != 0:
+            return None
+        at += b - a
+    return bool((vec & 1).all())
+
+
 def _process_vm() -> tuple | None:
     """(process_vm_readv, process_vm_writev) from libc, or None where they are missing or
     forbidden (a seccomp filter)."""
@@ -235,3 +247,129 @@ def _copy_runs(write: bool, file_addrs: np.ndarray, mem_addrs: np.ndarray,
         if fn(pid, mem[i:j].ctypes.data, j - i, fil[i:j].ctypes.data, j - i, 0) != want:
             return False
     return True
+
+
+# ---------------------------------------------------------------- SIGBUS guard for mapped reads
+#
+# A load from a shared file mapping past the end of a file that another process truncated
+# raises SIGBUS, which kills the process. While a copy from a guarded range runs, the handler
+# below puts anonymous zero pages from the faulting page on and marks the range poisoned: the
+# copy finishes (with zeros there), the reader sees the mark and reads again with preadv,
+# which reports the short file. A SIGBUS anywhere else goes to the handler that was there
+# before (restored first, so the fault repeats under it: default action or faulthandler).
+
+class Guarded:
+    """An address range registered with the SIGBUS guard; ``poisoned`` once a page of it
+    was replaced (its file shrank under a reader): its contents can no longer be trusted."""
+
+    __slots__ = ("lo", "hi", "poisoned")
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi, self.poisoned = lo, hi, False
+
+
+_SIGBUS = 7
+_SA_SIGINFO = 4
+_SI_ADDR_OFFSET = 16                    # siginfo_t: 3 ints, padding, then the fault address
+_guard: dict[str, Any] = {}
+_guarded: list[tuple[Guarded, ...]] = [()]
+
+
+class _Sigaction(ctypes.Structure):
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
+                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+
+
+def _on_sigbus(sig: int, info: int, ctx: int) -> None:
+    addr = ctypes.c_void_p.from_address(info + _SI_ADDR_OFFSET).value or 0
+    code = ctypes.c_int.from_address(info + 8).value
+    if code > 0:                        # raised by the kernel for a memory access
+        for g in _guarded[0]:
+            if g.lo <= addr < g.hi:
+                g.poisoned = True       # before the page is replaced: readers see it first
+                _guard["caught"] = _guard.get("caught", 0) + 1
+                page = addr - addr % mmap.PAGESIZE
+                # zeros from here to the end of the range: one fault per copy, not per page
+                got = _guard["mmap"](page, g.hi - page, mmap.PROT_READ,
+                                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0)
+                if got == page:         # 0x10 = MAP_FIXED
+                    return
+                break
+    _guard["sigaction"](_SIGBUS, ctypes.byref(_guard["old"]), None)
+
+
+def sigbus_guard_ok() -> bool:
+    """True where mapped copies can be guarded (Linux, 64-bit, libc through ctypes)."""
+    if "ok" not in _guard:
+        ok = False
+        try:
+            import platform
+            if os.uname().sysname == "Linux" and ctypes.sizeof(ctypes.c_void_p) == 8 \
+                    and platform.machine() in ("x86_64", "aarch64"):
+                libc = ctypes.CDLL(None, use_errno=True)
+                sa = libc.sigaction
+                sa.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                sa.restype = ctypes.c_int
+                mm = libc.mmap
+                mm.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long]
+                mm.restype = ctypes.c_void_p
+                mu = libc.munmap
+                mu.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+                mu.restype = ctypes.c_int
+                cb = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+                    _on_sigbus)
+                _guard.update(sigaction=sa, mmap=mm, munmap=mu, cb=cb,
+                              addr=ctypes.cast(cb, ctypes.c_void_p).value,
+                              old=_Sigaction(), cur=_Sigaction())
+                ok = True
+        except (OSError, AttributeError, ValueError):
+            ok = False
+        _guard["ok"] = ok
+    return bool(_guard["ok"])
+
+
+def sigbus_guard_arm() -> bool:
+    """Make sure the guard's handler is the process's SIGBUS handler (another library may
+    have installed its own since; that one becomes the handler of foreign faults)."""
+    cur = _guard["cur"]
+    if _guard["sigaction"](_SIGBUS, None, ctypes.byref(cur)) != 0:
+        return False
+    if cur.handler == _guard["addr"]:
+        return True
+    new = _Sigaction()
+    new.handler = _guard["addr"]
+    new.flags = _SA_SIGINFO
+    if _guard["sigaction"](_SIGBUS, ctypes.byref(new), ctypes.byref(_guard["old"])) != 0:
+        return False
+    return True
+
+
+def sigbus_caught() -> int:
+    """How many SIGBUS faults in guarded ranges this process survived."""
+    return int(_guard.get("caught", 0))
+
+
+def guard_register(lo: int, hi: int) -> Guarded:
+    g = Guarded(lo, hi)
+    _guarded[0] = _guarded[0] + (g,)
+    return g
+
+
+def guard_unregister(g: Guarded) -> None:
+    _guarded[0] = tuple(x for x in _guarded[0] if x is not g)
+
+
+def map_file(fd: int, nbytes: int) -> int | None:
+    """A read-only shared mapping of the first ``nbytes`` of ``fd`` (its address), or None."""
+    if not sigbus_guard_ok():
+        return None
+    addr = _guard["mmap"](None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    return int(addr)
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    _guard["munmap"](addr, nbytes)
+

@@ -320,6 +320,9 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
          "keep scratch files at exit for inspection"),
     Spec("direct", "CHEMIO_DIRECT", lambda: False, _parse_bool,
          "use O_DIRECT for aligned requests on the local backend"),
+    Spec("map_cap", "CHEMIO_MAP_CAP", lambda: "8G", _parse_limit,
+         "bytes of array files the local backend keeps mapped for reads from the page "
+         "cache (least recently used first out): bytes (512M, 8G) or a share of memory"),
     Spec("mpiio_hints", "CHEMIO_MPIIO_HINTS", dict, _parse_hints,
          "extra MPI-IO hints for the mpiio backend: 'key=value,key=value'"),
     Spec("compressor", "CHEMIO_COMPRESSOR", lambda: None, _parse_compressor,

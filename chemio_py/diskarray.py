@@ -818,6 +818,16 @@ class DiskArray:
         if err is not None:
             raise err
 
+    def evict(self) -> None:
+        """Wait for this rank's requests, make its writes durable, and drop the array's
+        pages from memory: the page cache and any mapping the store keeps for reads from
+        it (``local``), so the next read comes from the device (cold benchmarks, memory
+        pressure). Not collective; does nothing more on stores that keep no cache."""
+        self.flush()
+        evict = self._caps.evict
+        if evict is not None:
+            evict()
+
     def _release(self, together: bool = False) -> BaseException | None:
         """Close this rank's handle (waiting for its requests). Only with ``together``
         (every rank in ``close``) may the store's close be a collective call."""

@@ -497,6 +497,7 @@ def test_local_store_cached_and_uncached_paths_agree(tmp_path):
     st = d._store
     used = {}
     real = st._copy_resident
+    real_mapped = st._copy_mapped
 
     def spy(region, arr, write):
         ok = real(region, arr, write)
@@ -504,7 +505,15 @@ def test_local_store_cached_and_uncached_paths_agree(tmp_path):
         used[key] = used.get(key, 0) + 1
         return ok
 
+    def spy_mapped(region, arr):                # the persistent read mapping
+        ok = real_mapped(region, arr)
+        if ok is not None:
+            key = ("read", "mapped" if ok else "syscalls")
+            used[key] = used.get(key, 0) + 1
+        return ok
+
     st._copy_resident = spy
+    st._copy_mapped = spy_mapped
     for i in range(60):
         sec = random_section(rng, shape, (20, 20, 5))
         if i % 3 == 0:
@@ -521,6 +530,7 @@ def test_local_store_cached_and_uncached_paths_agree(tmp_path):
             np.testing.assert_array_equal(view, model[sec])
             assert (big[0] == 0).all()
     st._copy_resident = lambda region, arr, write: False
+    st._copy_mapped = lambda region, arr: False
     np.testing.assert_array_equal(d[...], model)
     st.evict()
     np.testing.assert_array_equal(d[...], model)
