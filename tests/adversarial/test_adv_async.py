@@ -117,15 +117,26 @@ def test_diskarray_awrite_failure_is_raised_by_flush_and_close(monkeypatch):
 # ---------------------------------------------------------------- item 6
 
 class _Interrupts:
-    """Raise KeyboardInterrupt from SIGALRM ``n`` times, every ``every`` seconds."""
+    """Raise KeyboardInterrupt from SIGALRM ``n`` times, every ``every`` seconds, but only
+    while ``within`` (a function) is on the main thread's stack: a tick that lands in the
+    test's own code (entering or leaving the block) does nothing, so no interrupt can
+    escape the ``try`` that expects it."""
 
-    def __init__(self, n: int = 6, every: float = 0.002):
+    def __init__(self, within, n: int = 6, every: float = 0.002):
+        self.code = within.__code__
         self.left = n
         self.every = every
 
+    def _inside(self, frame) -> bool:
+        while frame is not None:
+            if frame.f_code is self.code:
+                return True
+            frame = frame.f_back
+        return False
+
     def __enter__(self):
         def handler(sig, frame):
-            if self.left > 0:
+            if self.left > 0 and self._inside(frame):
                 self.left -= 1
                 raise KeyboardInterrupt
         self.old = signal.signal(signal.SIGALRM, handler)
@@ -166,7 +177,7 @@ def test_interrupted_blocking_read_leaves_nothing_in_flight(backend):
                 d.flush()
                 _evict(d.path)
             try:
-                with _Interrupts():
+                with _Interrupts(cio.DiskArray.read):
                     d.read((), out=out)
             except KeyboardInterrupt:
                 hit += 1
@@ -184,7 +195,7 @@ def test_interrupted_close_waits_for_requests():
     out = np.full((n, n), np.nan)
     d.aread((), out)
     try:
-        with _Interrupts(n=3, every=0.001):
+        with _Interrupts(cio.DiskArray.close, n=3, every=0.001):
             d.close()
     except KeyboardInterrupt:
         pass
@@ -207,6 +218,6 @@ def test_settle_swallows_nothing_and_waits_for_all():
     started.wait()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        with _Interrupts(n=2, every=0.01):
+        with _Interrupts(cio.requests.settle, n=2, every=0.01):
             cio.requests.settle([r])
     assert r.done() and time.perf_counter() - t0 >= 0.15
