@@ -251,6 +251,18 @@ def close_local(store: Any) -> None:
 
 
 @runtime_checkable
+class OnceIO(Protocol):
+    """The hot path of small blocking calls: functions that make exactly one system call."""
+
+    def pread_once(self) -> Callable[[int, Any], int] | None:
+        """A function ``(offset, buffer) -> count`` reading once into a contiguous
+        writable buffer (a short count is for the caller to complete with ``pread``;
+        ``OSError`` for the caller to retry through ``pread``, which maps it), or None."""
+    def pwrite_once(self) -> Callable[[int, Any], int] | None:
+        """As ``pread_once``, writing once from a contiguous buffer."""
+
+
+@runtime_checkable
 class WriteCheck(Protocol):
     def check_write(self, region: Region) -> None:
         """Raise, changing nothing, if an independent write of the whole ``region`` would
@@ -269,6 +281,8 @@ class Capabilities:
     read_cached: Callable | None = None
     check_write: Callable | None = None
     evict: Callable | None = None          # drop the object's cached pages and mappings
+    pread_once: Callable | None = None
+    pwrite_once: Callable | None = None
     write_streams: int | None = None       # concurrent writers worth having (None: any)
     read_streams: int | None = None        # concurrent readers worth having (None: any)
     collective: bool = False               # read_all/write_all are true collective I/O
@@ -294,6 +308,8 @@ def capabilities(store: Any) -> Capabilities:
         read_cached=store.read_cached if isinstance(store, CachedRead) else None,
         check_write=store.check_write if isinstance(store, WriteCheck) else None,
         evict=getattr(store, "evict", None),
+        pread_once=store.pread_once() if isinstance(store, OnceIO) else None,
+        pwrite_once=store.pwrite_once() if isinstance(store, OnceIO) else None,
         write_streams=streams if isinstance(streams, int) and streams > 0 else None,
         read_streams=readers if isinstance(readers, int) and readers > 0 else None,
         collective=getattr(store, "collective", False) is True,

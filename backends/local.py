@@ -170,6 +170,27 @@ class LocalByteStore(_PosixFile):
         self.writable = writable
         self._nowait = _RWF_NOWAIT
 
+    def pread_once(self) -> Any:
+        """``(offset, buffer) -> count``: one buffered ``preadv``, nothing else (the
+        ``OnceIO`` capability); None when reads may go through O_DIRECT."""
+        if self._dfd is not None:
+            return None
+        fd = self._fd
+
+        def once(offset: int, mv: Any) -> int:
+            return os.preadv(fd, (mv,), offset)
+        return once
+
+    def pwrite_once(self) -> Any:
+        """``(offset, buffer) -> count``: one buffered ``pwrite``; None as ``pread_once``."""
+        if self._dfd is not None or not self.writable:
+            return None
+        fd = self._fd
+
+        def once(offset: int, mv: Any) -> int:
+            return os.pwrite(fd, mv, offset)
+        return once
+
     def _fd_for(self, mv: memoryview, offset: int) -> int:
         if self._dfd is not None and not (offset | len(mv)) % DIRECT_ALIGN \
                 and not _address(mv) % DIRECT_ALIGN:

@@ -86,6 +86,11 @@ def byte_view(data: Any) -> memoryview:
     return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
 
 
+def _tail(mv: memoryview, k: int) -> memoryview:
+    """The bytes of the contiguous view ``mv`` from byte ``k`` on."""
+    return (mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))[k:]
+
+
 def out_view(buf: Any) -> memoryview:
     """A memoryview of the buffer ``buf`` to read into (the store checks that it is
     writable and contiguous); ``ArgumentError`` unless it is a buffer of plain values."""
@@ -226,6 +231,8 @@ class ByteFile:
         self._mode = mode
         self.backend = backend_name
         self._stats = stats.for_file(store.path, backend_name)
+        self._read_once = self._caps.pread_once     # one syscall per small blocking call
+        self._write_once = self._caps.pwrite_once
         self._log = self._stats.log                 # the blocking calls' fast accounting
         self._logged = self._stats.log_entries
         self._pending = requests.Pending()
@@ -279,6 +286,7 @@ class ByteFile:
         errors = self._pending.drain()          # an interrupt here leaves the file open
         store, self._store = self._store, None
         self._caps = _backends.NO_CAPABILITIES
+        self._read_once = self._write_once = None
         if together:
             store.close()
         else:
@@ -337,7 +345,15 @@ class ByteFile:
             self._before_write(offset, n)
         t0 = _clock()
         try:
-            store.pwrite(offset, mv)
+            once = self._write_once
+            done = 0
+            if once is not None:
+                try:
+                    done = once(offset, mv)
+                except OSError:
+                    done = 0                    # the full path retries and maps the error
+            if done < n:
+                store.pwrite(offset + done, _tail(mv, done) if done else mv)
         except BaseException:
             self._stats.record("write", n, t0, _clock(), offset, True)
             raise
@@ -364,7 +380,16 @@ class ByteFile:
         n = mv.nbytes
         t0 = _clock()
         try:
-            got = store.pread(offset, mv)
+            once = self._read_once
+            if once is not None and not mv.readonly and mv.c_contiguous:
+                try:
+                    got = once(offset, mv)
+                except OSError:
+                    got = 0                     # the full path retries and maps the error
+                if got < n:
+                    got += store.pread(offset + got, _tail(mv, got) if got else mv)
+            else:
+                got = store.pread(offset, mv)
         except BaseException:
             self._stats.record("read", 0, t0, _clock(), offset, True)
             raise
