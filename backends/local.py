@@ -892,6 +892,139 @@ class LocalArrayStore(_PosixFile):
             except (OSError, ValueError, AttributeError):
                 pass
 
+    # ------------------------------------------------------------ native region reads
+    # O_DIRECT descriptor of the region reads (opened on first use; -1: none possible).
+    _region_dfd: int | None = None
+    _region_dfd_lock = threading.Lock()
+    REGION_PIECE = 64 << 20        # longest single transfer of a native region read
+
+    def _direct_fd(self) -> int | None:
+        """An O_DIRECT read descriptor of this very file (reopened through /proc, so a file
+        replaced at the same path is not read), or None where that is impossible."""
+        dfd = self._region_dfd
+        if dfd is None:
+            with self._region_dfd_lock:
+                dfd = self._region_dfd
+                if dfd is None:
+                    dfd = -1
+                    fd = self._fd
+                    if fd >= 0:
+                        try:
+                            dfd = os.open(f"/proc/self/fd/{fd}",
+                                          os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                            a, b = os.fstat(fd), os.fstat(dfd)
+                            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                                os.close(dfd)
+                                dfd = -1
+                        except OSError:
+                            dfd = -1
+                    self._region_dfd = dfd
+        return dfd if dfd >= 0 else None
+
+    def _looks_cached(self, offsets: Any, lengths: Any) -> bool:
+        """Whether the first and the last page of the page-aligned byte runs are in the
+        page cache: a sample (every page costs several times more), so a wrong guess
+        costs speed, never correctness. False when unknown."""
+        m = self._mapping() if _mincore_ok() else None
+        if m is None:
+            return False
+        page, fn, vec = mmap.PAGESIZE, posix._mincore_fn[0], ctypes.c_ubyte(0)
+        at = ctypes.addressof(vec)
+        for first in (int(offsets[0]), int(offsets[-1] + lengths[-1]) - page):
+            if fn(m[2] + first // page * page, page, at) != 0 or not vec.value & 1:
+                return False
+        return True
+
+    def native_read_region(self, region: Any, out: np.ndarray, then: Any, stats: Any = None,
+                           *, cached: bool = False) -> Any:
+        """Start reading ``region`` into ``out`` through O_DIRECT and Linux AIO: the device
+        fills ``out`` with no CPU copy and no thread of ours (the read-ahead of
+        ``iter_blocks`` beside compute that uses every core).
+
+        Returns a ``Request`` whose value is ``then(nbytes, t0, t1)``, or None (nothing
+        started; read the ordinary way) when not eligible: no Linux AIO or O_DIRECT here,
+        ``out`` not of this dtype and writable, a byte run of the region whose file offset,
+        memory address or length is not a multiple of 4096, more runs than the AIO queue
+        takes at once, or, unless ``cached``, the region in the page cache (judged from a
+        sample of its pages: a copy from there is faster than the device). Errors surface
+        at ``wait()`` as ``StorageError``; a file system that refuses O_DIRECT at completion
+        is read the ordinary way instead (and no longer offered).
+        """
+        self._check(region, out)
+        if out.dtype != self.dtype or not out.size or not out.flags.writeable:
+            return None
+        eng = linux_aio.engine()
+        if eng is None:
+            return None
+        eng.poll()                  # finished reads of ours: completed here, not handed off
+        runs = self._direct_runs(region, out)
+        if runs is None:
+            return None
+        d, addr, n = runs
+        if not cached and self._looks_cached(d, n):
+            return None
+        dfd = self._direct_fd()
+        if dfd is None:
+            return None
+        sizes = n if type(n) is list else n.tolist()
+        total, path, first = sum(sizes), self.path, int(d[0])
+
+        def done(results: list, t0: float, t1: float) -> Any:
+            short = [(i, r) for i, r in enumerate(results) if r != sizes[i]]
+            if short:
+                i, r = short[0]
+                if r == -errno.EINVAL:              # O_DIRECT refused after all
+                    self._region_dfd = -1
+                    self._move(False, region, out)
+                    return then(total, t0, time.perf_counter())
+                if r < 0:
+                    raise StorageError(-r, path, int(d[i]), sizes[i], "read")
+                raise StorageError(errno.EIO, path, first, total, "read",
+                                   "the data file is shorter than the array: it was "
+                                   "truncated behind chemio's back")
+            return then(total, t0, t1)
+        return eng.submit_many(False, dfd, addr, n, d, out, done, stats)
+
+    def _direct_runs(self, region: Any, out: np.ndarray) -> tuple | None:
+        """The O_DIRECT transfers of reading ``region`` into ``out``: file offsets, memory
+        addresses and lengths (lists for a single transfer, else arrays), runs longer than
+        ``REGION_PIECE`` cut; None when one is not 4096-aligned or there are more than the
+        AIO queue takes at once."""
+        shape, chunks = self.shape, self.chunks
+        if out.flags.c_contiguous and all(
+                s.start == 0 and s.stop == k == c
+                for s, k, c in zip(region[1:], shape[1:], chunks[1:])):
+            # chunks of whole rows: the file is in C order, the region one byte range
+            row = self.layout.itemsize * math.prod(shape[1:])
+            off, at, size = region[0].start * row, out.ctypes.data, out.nbytes
+            if (off | at | size) % DIRECT_ALIGN:
+                return None
+            if size <= self.REGION_PIECE:       # the common case, without arrays
+                return [off], [at], [size]
+            d = np.array([off], dtype=np.int64)
+            m = np.zeros(1, dtype=np.int64)
+            n = np.array([size], dtype=np.int64)
+        else:
+            if _byte_span(out, writable=True) is None:
+                return None
+            d, m, n = self.layout.segments(region, out.strides)
+            if not d.size:
+                return None
+        addr = m + out.ctypes.data
+        if int(np.bitwise_or.reduce(d | addr | n)) % DIRECT_ALIGN:
+            return None
+        piece = self.REGION_PIECE
+        if int(n.max()) > piece:                    # split very long runs
+            k = -(-n // piece)
+            idx = np.repeat(np.arange(n.size), k)
+            within = np.arange(idx.size) - np.repeat(np.cumsum(k) - k, k)
+            d = d[idx] + within * piece
+            addr = addr[idx] + within * piece
+            n = np.minimum(n[idx] - within * piece, piece)
+        if n.size > linux_aio.BLOCKS * linux_aio.BLOCK:
+            return None
+        return d, addr.astype(np.uint64), n
+
     def read_all(self, region: Any, out: np.ndarray, comm: Any = None) -> np.ndarray:
         return self.read(region, out)
 
@@ -914,6 +1047,9 @@ class LocalArrayStore(_PosixFile):
     def close(self) -> None:
         with _maps_lock:
             _drop_map(id(self))
+        dfd, self._region_dfd = self._region_dfd, -1
+        if dfd is not None and dfd >= 0:
+            os.close(dfd)
         m, self._map = self._map, None
         if m is not None:
             mm = m[0]
