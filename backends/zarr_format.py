@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from chemio_py.errors import MetadataError, StorageError
+from chemio_py.ownfiles import write_all
 
 META_NAME = "zarr.json"
 MAX_META_BYTES = 1 << 20            # a zarr.json larger than this is refused unread
@@ -580,10 +581,7 @@ def write_atomic(dirpath: str, name: str, data: Any, perms: int) -> None:
                  perms)
     try:
         try:
-            mv = memoryview(data).cast("B")
-            done = 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
+            write_all(fd, data)
         finally:
             os.close(fd)
         os.replace(tmp, target)

@@ -321,9 +321,7 @@ def write_atomic(path: str, payload: bytes, mode: int = 0o600) -> None:
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view):]
+        ownfiles.write_all(fd, payload)
         os.fsync(fd)
         os.close(fd)
         fd = -1

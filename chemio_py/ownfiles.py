@@ -1,4 +1,4 @@
-"""Reading chemio's own small record files (leases, markers, metadata) from hostile places.
+"""Chemio's own small files (leases, markers, metadata, objects) in hostile places.
 
 A scratch directory is shared ground: a neighbour may leave a FIFO, a device or a symbolic
 link where chemio expects one of its own files. ``read_small`` opens without following links
@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat as _stat
+from typing import Any
 
 from .errors import NotARegularFile  # noqa: F401 - raised here, imported from here too
 
@@ -81,3 +82,10 @@ def read_small(path: str, limit: int) -> bytes:
         return read_bounded(fd, limit, repr(path))
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: Any) -> None:
+    """Write every byte of buffer ``data`` to ``fd`` (looping over short writes)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]

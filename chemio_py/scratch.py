@@ -36,7 +36,7 @@ from typing import Any, Iterable
 from . import config
 from .errors import (InvalidNameError, OutOfSpaceError, RefusedRemoval,  # noqa: F401
                      StorageError)
-from .ownfiles import NotARegularFile, open_regular, read_bounded
+from .ownfiles import NotARegularFile, open_regular, read_bounded, write_all
 
 BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "COBALT_JOBID",
                   "FLUX_JOB_ID")
@@ -243,12 +243,6 @@ def _lease_name(pid: int | None = None) -> str:
 _WRITE_NEW = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _write_lease(job_dir: str) -> None:
     pid = os.getpid()
     try:
@@ -260,7 +254,7 @@ def _write_lease(job_dir: str) -> None:
              "created": time.time(), "uid": os.geteuid()}
     fd = os.open(os.path.join(job_dir, _lease_name()), _WRITE_NEW | os.O_TRUNC, 0o600)
     try:
-        _write_all(fd, json.dumps(lease).encode())
+        write_all(fd, json.dumps(lease).encode())
     finally:
         os.close(fd)
 
@@ -275,7 +269,7 @@ def _write_marker(job_dir: str) -> bool:
     except FileExistsError:
         return False
     try:
-        _write_all(fd, json.dumps(marker).encode())
+        write_all(fd, json.dumps(marker).encode())
     finally:
         os.close(fd)
     return True

@@ -327,9 +327,7 @@ def _write_new(target: str, payload: bytes) -> None:
         raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
     try:
         try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view):]
+            ownfiles.write_all(fd, payload)
         finally:
             os.close(fd)
         why = _replaceable(target)                     # again: the target may have changed
