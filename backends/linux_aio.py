@@ -230,12 +230,7 @@ class Engine:
                 if entry is None:
                     continue
                 req, _keep, then, t0 = entry
-                try:
-                    value = then(res, t0, t1)
-                except BaseException as e:  # noqa: BLE001 - delivered at wait()
-                    req.set_exception(e)
-                else:
-                    req.set_result(value)
+                req.complete_with(then, res, t0, t1)
                 continue
             b, i = divmod(data - QUEUE_DEPTH, BLOCK)
             owner = self._gowner[b]
@@ -256,12 +251,7 @@ class Engine:
                 self._busy -= members
                 self._gfree.extend(freed)
         for group in finished_groups:
-            try:
-                value = group.then(group.results, group.t0, t1)
-            except BaseException as e:  # noqa: BLE001 - delivered at wait()
-                group.req.set_exception(e)
-            else:
-                group.req.set_result(value)
+            group.req.complete_with(group.then, group.results, group.t0, t1)
 
     def _reap(self) -> None:
         events, nr_getevents = self._events, self._nr[2]

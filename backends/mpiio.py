@@ -373,12 +373,7 @@ class _Progress:
             if op.error is not None:
                 op.req.set_exception(op.error)
                 return
-            try:
-                value = op.then(op.count, op.t0, t1)
-            except BaseException as e:  # noqa: BLE001 - delivered at wait()
-                op.req.set_exception(e)
-            else:
-                op.req.set_result(value)
+            op.req.complete_with(op.then, op.count, op.t0, t1)
 
     def drain(self, store: Any) -> None:
         """Wait until no request of ``store`` is in flight."""

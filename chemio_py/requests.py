@@ -64,6 +64,16 @@ class Request:
         """Complete the request with the error ``exc`` (raised by ``wait()``)."""
         self._finish(None, exc)
 
+    def complete_with(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Complete the request with ``fn(*args)``, or with the error it raises (a native
+        path's continuation, e.g. ``then(count, t0, t1)``)."""
+        try:
+            value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - delivered at wait()
+            self._finish(None, e)
+        else:
+            self._finish(value)
+
     def _run(self, fn: Callable[..., Any], args: tuple) -> None:
         with _state_lock:
             if self._state != _PENDING:
