@@ -31,7 +31,7 @@ from chemio_py.errors import OutOfSpaceError, StorageError
 
 from . import linux_aio
 from . import posix
-from .posix import (DIRECT_ALIGN, _address, _byte_span, _bytes_view, _copy_runs,
+from .posix import (DIRECT_ALIGN, ScratchPlaces, _address, _byte_span, _bytes_view, _copy_runs,
                     _fallocate_keep_size, _mincore, _mincore_ok, _process_vm, _sieve_buffer,
                     _unlink_regular, open_checked)
 
@@ -390,14 +390,11 @@ class LocalByteStore(_PosixFile):
             pass
 
 
-class LocalBackend:
+class LocalBackend(ScratchPlaces):
     """POSIX files on a local or parallel file system."""
 
     name = "local"
     description = "POSIX files (preadv/pwritev, posix_fallocate, optional O_DIRECT)"
-
-    def root(self, scope: str, rank: int = 0) -> str:
-        return scratch.shared_root() if scope == "shared" else scratch.private_root(rank)
 
     def open_bytes(self, path: str, mode: str, *, direct: bool | None = None) -> LocalByteStore:
         if mode not in _MODES:
@@ -411,16 +408,6 @@ class LocalBackend:
             except OSError:
                 dfd = None          # e.g. tmpfs without O_DIRECT: buffered I/O only
         return LocalByteStore(path, fd, mode != "r", dfd)
-
-    def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
-
-    def stat(self, path: str) -> scratch.FsInfo:
-        return scratch.stat(path)
-
-    def remove(self, path: str) -> bool:
-        """Delete the file (or directory tree) at ``path``; False when it did not exist."""
-        return scratch.remove_path(path)
 
     # ------------------------------------------------------------ the ArrayStore half
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,

@@ -42,7 +42,8 @@ from chemio_py.errors import (BackendUnavailableError, MetadataError, OutOfSpace
                               StorageError)
 
 from . import mpi_types
-from .posix import _byte_span, _bytes_view, _fallocate_keep_size, _unlink_regular, open_checked
+from .posix import (ScratchPlaces, _byte_span, _bytes_view, _fallocate_keep_size,
+                    _unlink_regular, open_checked)
 
 PIECE = 1 << 30                 # largest single MPI-IO transfer issued
 # Collective reads of chemio arrays move whole chunk rows (pieces of KiBs at least):
@@ -826,7 +827,7 @@ _EMPTY = bytearray(0)
 
 # ---------------------------------------------------------------- the backend
 
-class MpiioBackend:
+class MpiioBackend(ScratchPlaces):
     """MPI-IO (mpi4py) on a local or parallel file system; collective open and close."""
 
     name = "mpiio"
@@ -844,19 +845,6 @@ class MpiioBackend:
         if not ok:
             raise BackendUnavailableError("mpiio", "mpi4py is not installed",
                                           "pip install 'chemio-py[mpi]' (mpi4py + mpich)")
-
-    def root(self, scope: str, rank: int = 0) -> str:
-        return scratch.shared_root() if scope == "shared" else scratch.private_root(rank)
-
-    def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
-
-    def stat(self, path: str) -> scratch.FsInfo:
-        return scratch.stat(path)
-
-    def remove(self, path: str) -> bool:
-        """Delete the file (or directory tree) at ``path``; False when it did not exist."""
-        return scratch.remove_path(path)
 
     def open_bytes(self, path: str, mode: str, *, comm: Any = None) -> MpiioByteStore:
         """Open (``r``, ``r+``) or create (``w+`` replaces, ``x+`` must not exist) a file on

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from chemio_py import scratch
 from chemio_py.errors import StorageError
 
 DIRECT_ALIGN = 4096             # O_DIRECT alignment of buffer address, offset and length
@@ -373,3 +374,21 @@ def map_file(fd: int, nbytes: int) -> int | None:
 def unmap(addr: int, nbytes: int) -> None:
     _guard["munmap"](addr, nbytes)
 
+
+class ScratchPlaces:
+    """The ``Backend`` methods of a backend whose objects are plain files or directories in
+    the job's scratch (``local``, ``mpiio``, ``zarr``): where they go, whether one is
+    there, the file system's space, and removal of a file or a whole directory tree."""
+
+    def root(self, scope: str, rank: int = 0) -> str:
+        return scratch.shared_root() if scope == "shared" else scratch.private_root(rank)
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def stat(self, path: str) -> scratch.FsInfo:
+        return scratch.stat(path)
+
+    def remove(self, path: str) -> bool:
+        """Delete the file (or directory tree) at ``path``; False when it did not exist."""
+        return scratch.remove_path(path)

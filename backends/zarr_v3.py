@@ -42,6 +42,7 @@ from chemio_py.layout import Layout, region_nbytes
 
 from . import zarr_exchange as _xchg
 from . import zarr_format as zf
+from .posix import ScratchPlaces
 
 SHARD_ABOVE = 2 << 20            # objects larger than this are sharded by default
 INNER_TARGET = 1 << 20           # default inner chunk: at most this ...
@@ -730,7 +731,7 @@ def _open_lock_file(path: str, perms: int) -> int:
 
 # ---------------------------------------------------------------- the backend
 
-class ZarrBackend:
+class ZarrBackend(ScratchPlaces):
     """Zarr v3 arrays (directories) on a local or parallel file system; DiskArrays only."""
 
     name = "zarr"
@@ -748,19 +749,6 @@ class ZarrBackend:
         except ImportError as e:
             raise BackendUnavailableError("zarr", f"importing its dependencies failed ({e})",
                                           "pip install zarr numcodecs google-crc32c") from e
-
-    def root(self, scope: str, rank: int = 0) -> str:
-        return scratch.shared_root() if scope == "shared" else scratch.private_root(rank)
-
-    def stat(self, path: str) -> scratch.FsInfo:
-        return scratch.stat(path)
-
-    def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
-
-    def remove(self, path: str) -> bool:
-        """Delete the array directory (or file) at ``path``; False when absent."""
-        return scratch.remove_path(path)
 
     def recognizes(self, path: str) -> bool:
         """True when ``path`` is a directory holding a Zarr v3 array's ``zarr.json``."""
