@@ -402,7 +402,28 @@ os.register_at_fork(after_in_child=_progress.clear)   # the thread belongs to th
 
 # ---------------------------------------------------------------- the byte store
 
-class MpiioByteStore:
+class _MpiStore:
+    """What both stores do with the ``os`` descriptor each rank keeps beside its MPI
+    handles, and on garbage collection (never a collective call: ``close_local``)."""
+
+    _fd: int
+
+    def close_local(self) -> None:
+        raise NotImplementedError
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close_local()
+        except Exception:
+            pass
+
+
+class MpiioByteStore(_MpiStore):
     """A byte file as one ``MPI.File`` (see ``chemio_py.backends`` for the protocol).
 
     Blocking ``Read_at``/``Write_at`` with explicit offsets (loops on the status count);
@@ -602,21 +623,10 @@ class MpiioByteStore:
             _warn_collective_leak(self.path)
         self._close_fd()
 
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __del__(self):
-        try:
-            self.close_local()
-        except Exception:
-            pass
-
 
 # ---------------------------------------------------------------- the array store
 
-class MpiioArrayStore:
+class MpiioArrayStore(_MpiStore):
     """A DiskArray's data in the raw grid format, through MPI-IO.
 
     ``read``/``write`` are independent: one ``Read_at``/``Write_at`` per region through a
@@ -809,17 +819,6 @@ class MpiioArrayStore:
             if fc is not fi:                # on the array's communicator: left open
                 _warn_collective_leak(self.path)
         self._close_fd()
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __del__(self):
-        try:
-            self.close_local()
-        except Exception:
-            pass
 
 
 _EMPTY = bytearray(0)
