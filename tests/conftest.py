@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import Any
 import uuid
 
 import pytest
@@ -163,6 +164,32 @@ def run_mpi(n: int, body: str, *, tmp_path, timeout: float = 180, env: dict | No
         pytest.fail(f"mpiexec -n {n} failed ({proc.returncode})\n--- stdout\n{proc.stdout}"
                     f"\n--- stderr\n{proc.stderr}")
     return proc
+
+
+def run_on_tty(argv: list[str], *, columns: int = 120, timeout: float = 120,
+               **popen: Any) -> tuple[int, str, str]:
+    """Run ``argv`` with stderr on a pseudo-terminal (so progress bars show) and stdout
+    piped; returns (exit status, stdout, what reached the terminal)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True, **popen)
+    os.close(slave)
+    out, _ = proc.communicate(timeout=timeout)
+    chunks = []
+    while True:
+        try:
+            b = os.read(master, 65536)
+        except OSError:                 # EIO: the child side is closed
+            break
+        if not b:
+            break
+        chunks.append(b)
+    os.close(master)
+    return proc.returncode, out, b"".join(chunks).decode(errors="replace")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SHM_DIR, mpiexec_path
+from conftest import SHM_DIR, mpiexec_path, run_on_tty
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 WATER = "O 0 0 0; H 0 0.757 0.587; H 0 -0.757 0.587"
@@ -392,34 +392,13 @@ def test_quiet_prints_nothing_but_the_json_line(tmp_path):
 def test_progress_bar_on_a_terminal_and_none_with_quiet(tmp_path):
     """On a terminal (a pty) the SCF cycles get a tqdm bar between the log lines; with
     --quiet the same run writes nothing there."""
-    import fcntl
-    import pty
-    import struct
-    import termios
     env, scratch = _env(tmp_path)
     code = ("import runpy, sys, chemio_py.progress as P; P.AUTO_DELAY = 0.0; "
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
     def on_tty(extra: list[str]) -> tuple[int, str, str]:
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-        proc = subprocess.Popen([sys.executable, "-c", code,
-                                 str(EXAMPLES / "semi_direct_scf.py"), "--basis", "sto-3g",
-                                 *extra], stdout=subprocess.PIPE, stderr=slave, text=True,
-                                env=env, cwd=str(tmp_path))
-        os.close(slave)
-        out, _ = proc.communicate(timeout=120)
-        chunks = []
-        while True:
-            try:
-                b = os.read(master, 65536)
-            except OSError:
-                break
-            if not b:
-                break
-            chunks.append(b)
-        os.close(master)
-        return proc.returncode, out, b"".join(chunks).decode(errors="replace")
+        return run_on_tty([sys.executable, "-c", code, str(EXAMPLES / "semi_direct_scf.py"),
+                           "--basis", "sto-3g", *extra], env=env, cwd=str(tmp_path))
 
     rc, out, tty = on_tty([])
     assert rc == 0, tty

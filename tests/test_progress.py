@@ -14,6 +14,7 @@ import pytest
 import chemio_py as cio
 from chemio_py import progress
 from chemio_py.errors import ArgumentError
+from conftest import run_on_tty
 
 
 def _bar_text(buf: io.StringIO) -> str:
@@ -108,34 +109,14 @@ def test_import_chemio_py_does_not_import_tqdm():
 
 def test_check_read_shows_a_bar_on_a_terminal(tmp_path):
     """``chemio check --read`` on a terminal: an 'auto' bar (after its delay) on stderr."""
-    import pty
     p = tmp_path / "big.dra"
     d = cio.DiskArray.create("big", (64, 1024), "f8", path=p, persistent=True)
     d[...] = 1.0
     d.close()
     code = ("import chemio_py.progress as P; P.AUTO_DELAY = 0.0; import sys; "
             "from chemio_py.check import main; sys.exit(main(['--read', sys.argv[1]]))")
-    import fcntl
-    import struct
-    import termios
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-c", code, str(p)], stdout=subprocess.PIPE,
-                            stderr=slave, text=True)
-    os.close(slave)
-    out, _ = proc.communicate(timeout=60)
-    chunks = []
-    while True:
-        try:
-            b = os.read(master, 65536)
-        except OSError:
-            break
-        if not b:
-            break
-        chunks.append(b)
-    os.close(master)
-    err = b"".join(chunks).decode(errors="replace")
-    assert proc.returncode == 0, out + err
+    rc, out, err = run_on_tty([sys.executable, "-c", code, str(p)], columns=100, timeout=60)
+    assert rc == 0, out + err
     assert "result: OK" in out
     assert "check big.dra" in err and "100%" in err
     os.unlink(p)
