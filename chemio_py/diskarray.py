@@ -157,12 +157,16 @@ def _record(be: Any, m: _meta.Meta, data: str, mpath: str, keep: bool, inside: b
             scratch.own(mpath)
 
 
-def _load_meta(be: Any, data: str, mpath: str) -> _meta.Meta:
+def _described(be: Any, be_name: str, path: str) -> _meta.Meta:
+    """The metadata an array of a ``SelfDescribing`` backend keeps inside its object."""
+    return _meta.from_description(be.describe(path), path, be_name,
+                                  _backends.array_formats(be)[0])
+
+
+def _load_meta(be: Any, be_name: str, data: str, mpath: str) -> _meta.Meta:
     """The metadata of an array: from inside its object, or from the file beside it."""
     if mpath == data and isinstance(be, _backends.SelfDescribing):
-        # a SelfDescribing backend is a Backend too, so it has a name
-        return _meta.from_description(be.describe(data), data, be.name,  # type: ignore[attr-defined]
-                                      _backends.array_formats(be)[0])
+        return _described(be, be_name, data)
     return _meta.load(mpath)
 
 
@@ -216,8 +220,7 @@ def _find(path: Any, backend: str | None) -> tuple[str, str, _meta.Meta]:
             except ChemIOError:
                 continue
             if isinstance(be, _backends.SelfDescribing) and be.recognizes(p):
-                return p, p, _meta.from_description(be.describe(p), p, name,
-                                                    _backends.array_formats(be)[0])
+                return p, p, _described(be, name, p)
         if os.path.lexists(p):
             raise MetadataError(
                 f"{p!r} has no metadata ({mpath!r} is missing) and no backend that reads "
@@ -342,8 +345,8 @@ class DiskArray:
                     if c.rank != 0:
                         handles.supersede(data, what)
                         if not together:
-                            store = cls._open_peer(be, data, mpath, m.uuid, shape_t, dt, ch, c,
-                                                   host0, opts)
+                            store = cls._open_peer(be, be_name, data, mpath, m.uuid, shape_t,
+                                                   dt, ch, c, host0, opts)
             assert m is not None                # made by rank 0 above (and broadcast)
             if together:
                 store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
@@ -392,13 +395,13 @@ class DiskArray:
         return _layout.default_chunks(shape, dt.itemsize)
 
     @staticmethod
-    def _open_peer(be: Any, data: str, mpath: str, uuid: str, shape: tuple, dt: np.dtype,
-                   ch: tuple, c: Comm, host0: str, opts: dict) -> Any:
+    def _open_peer(be: Any, be_name: str, data: str, mpath: str, uuid: str, shape: tuple,
+                   dt: np.dtype, ch: tuple, c: Comm, host0: str, opts: dict) -> Any:
         here = f"rank {c.rank} on host {socket.gethostname()!r}"
         fix = ("set CHEMIO_SHARED_SCRATCH (or path=) to a directory on a file system that every "
                "rank mounts (NFS, Lustre, GPFS, BeeGFS...)")
         try:
-            m = _load_meta(be, data, mpath)
+            m = _load_meta(be, be_name, data, mpath)
         except MetadataError:
             if not os.path.exists(mpath):
                 raise NotSharedError(
