@@ -91,3 +91,10 @@ def test_out_of_space_error_is_catchable_as_oserror():
     e = cio.OutOfSpaceError("/x", 10, 5)
     assert isinstance(e, OSError) and isinstance(e, cio.ChemIOError)
     assert e.errno == errno.ENOSPC and e.filename == "/x"
+
+
+def test_storage_error_without_errno_has_a_message():
+    """An OSError raised without an errno (some libraries do) still becomes a readable
+    StorageError instead of a TypeError while its message is built."""
+    e = cio.errors.StorageError(None, "/scratch/x", 0, 8, "read")
+    assert e.errno is None and "/scratch/x" in str(e) and "read" in str(e)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import chemio_py as cio
+
 WORKLOAD = """
 import time, numpy as np, chemio_py as cio
 d = cio.DiskArray.create("big", (256, 1024), "f8")
@@ -148,3 +150,20 @@ def test_without_matplotlib_a_clear_error_and_the_summary_still_works(trace, tmp
     r = subprocess.run([sys.executable, "-c", code, "trace", str(trace)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "busiest files" in r.stdout
+
+
+def test_each_pipeline_event_is_traced_once(tmp_path):
+    """A pipeline run counts into its totals too, but its trace events are written once
+    (they used to be written again by the totals, doubling every span)."""
+    from chemio_py import stats
+    cio.configure(trace=str(tmp_path / "t.json"))
+    try:
+        d = cio.DiskArray.create("once", (64, 512), "f8", chunks=(8, 512))
+        d[...] = 1.0
+        steps = sum(1 for _ in d.iter_blocks(axis=0, size=8, depth=2))
+        io = [e for e in stats.trace_events() if e.get("cat") == "io"
+              and "pipeline" in e.get("args", {})]
+        assert steps == 8 and len(io) == 8, [e["name"] for e in io]
+        d.close()
+    finally:
+        cio.configure(trace=None)
