@@ -254,12 +254,16 @@ def close_local(store: Any) -> None:
 class OnceIO(Protocol):
     """The hot path of small blocking calls: functions that make exactly one system call."""
 
-    def pread_once(self) -> Callable[[int, Any], int] | None:
-        """A function ``(offset, buffer) -> count`` reading once into a contiguous
-        writable buffer (a short count is for the caller to complete with ``pread``;
-        ``OSError`` for the caller to retry through ``pread``, which maps it), or None."""
-    def pwrite_once(self) -> Callable[[int, Any], int] | None:
-        """As ``pread_once``, writing once from a contiguous buffer."""
+    def pread_once(self) -> Callable[[Any, int], int] | None:
+        """A function ``(buffers, offset) -> count``, the call of ``os.preadv`` without
+        the descriptor (so that ``functools.partial(os.preadv, fd)`` serves and the call
+        costs no Python frame): reads once into ``buffers``, a 1-tuple of a buffer. A short
+        count is for the caller to complete with ``pread``; ``OSError`` for the caller to
+        retry through ``pread``, which maps it; ``TypeError``/``ValueError``/``BufferError``
+        (a read-only or non-contiguous buffer) for the caller to pass to ``pread``, which
+        says what is wrong. None when the store has no such call."""
+    def pwrite_once(self) -> Callable[[Any, int], int] | None:
+        """As ``pread_once``, writing once (``os.pwritev`` without the descriptor)."""
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import math
 import mmap
@@ -171,25 +172,17 @@ class LocalByteStore(_PosixFile):
         self._nowait = _RWF_NOWAIT
 
     def pread_once(self) -> Any:
-        """``(offset, buffer) -> count``: one buffered ``preadv``, nothing else (the
+        """``(buffers, offset) -> count``: one buffered ``preadv`` and nothing else (the
         ``OnceIO`` capability); None when reads may go through O_DIRECT."""
         if self._dfd is not None:
             return None
-        fd = self._fd
-
-        def once(offset: int, mv: Any) -> int:
-            return os.preadv(fd, (mv,), offset)
-        return once
+        return functools.partial(os.preadv, self._fd)
 
     def pwrite_once(self) -> Any:
-        """``(offset, buffer) -> count``: one buffered ``pwrite``; None as ``pread_once``."""
+        """``(buffers, offset) -> count``: one buffered ``pwritev``; None as ``pread_once``."""
         if self._dfd is not None or not self.writable:
             return None
-        fd = self._fd
-
-        def once(offset: int, mv: Any) -> int:
-            return os.pwrite(fd, mv, offset)
-        return once
+        return functools.partial(os.pwritev, self._fd)
 
     def _fd_for(self, mv: memoryview, offset: int) -> int:
         if self._dfd is not None and not (offset | len(mv)) % DIRECT_ALIGN \

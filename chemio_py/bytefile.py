@@ -33,6 +33,7 @@ def check_mode(mode: Any) -> str:
 MAX_OFFSET = (1 << 63) - 1          # the largest file offset (and size) the OS knows
 FOLD_AT = stats.FileStats.FOLD_AT   # logged blocking calls folded into the counters
 _clock = time.perf_counter
+_ndarray = np.ndarray
 _tracing = stats.trace_state
 
 
@@ -339,8 +340,16 @@ class ByteFile:
             store = self._writable_store()
         if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
-        mv = byte_view(data)
-        n = mv.nbytes
+        # bytes, bytearray and exact ndarrays without object fields are plain by type alone;
+        # the OS call refuses a non-contiguous one, which the checked path then copies
+        t = type(data)
+        if t is bytes or t is bytearray:
+            n = len(data)
+        elif t is _ndarray and not data.dtype.hasobject:
+            n = data.nbytes
+        else:
+            data = byte_view(data)
+            n = data.nbytes
         if self._limited:
             self._before_write(offset, n)
         t0 = _clock()
@@ -349,10 +358,11 @@ class ByteFile:
             done = 0
             if once is not None:
                 try:
-                    done = once(offset, mv)
-                except OSError:
-                    done = 0                    # the full path retries and maps the error
+                    done = once((data,), offset)
+                except (OSError, ValueError, BufferError):
+                    done = 0                    # the full path copies, retries, maps errors
             if done < n:
+                mv = byte_view(data)
                 store.pwrite(offset + done, _tail(mv, done) if done else mv)
         except BaseException:
             self._stats.record("write", n, t0, _clock(), offset, True)
@@ -376,20 +386,29 @@ class ByteFile:
             store = self._open_store()
         if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
-        mv = out_view(out)
-        n = mv.nbytes
+        # bytearray and exact ndarrays without object fields are plain by type alone; the OS
+        # call refuses a read-only or non-contiguous one, which the checked path then names
+        t = type(out)
+        if t is bytearray:
+            n, out_mv = len(out), out
+        elif t is _ndarray and not out.dtype.hasobject:
+            n, out_mv = out.nbytes, out
+        else:
+            out_mv = out_view(out)
+            n = out_mv.nbytes
         t0 = _clock()
         try:
             once = self._read_once
-            if once is not None and not mv.readonly and mv.c_contiguous:
+            got = -1
+            if once is not None:
                 try:
-                    got = once(offset, mv)
-                except OSError:
-                    got = 0                     # the full path retries and maps the error
-                if got < n:
-                    got += store.pread(offset + got, _tail(mv, got) if got else mv)
-            else:
-                got = store.pread(offset, mv)
+                    got = once((out_mv,), offset)
+                except (OSError, ValueError, BufferError, TypeError):
+                    got = -1                    # the full path checks, retries, maps errors
+            if got < 0:
+                got = store.pread(offset, out_view(out))
+            elif got < n:
+                got += store.pread(offset + got, _tail(out_view(out), got))
         except BaseException:
             self._stats.record("read", 0, t0, _clock(), offset, True)
             raise

@@ -73,9 +73,9 @@ def test_storage_error_carries_errno_path_offset(tmp_path, monkeypatch):
         if offset == 4096:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, buffers, offset, *a)
+    monkeypatch.setattr(local.os, "preadv", broken)     # before open: the fast path binds it
     with cio.ExclusiveFile("eio", "w+") as fh:
         fh.write(0, bytes(8192))
-        monkeypatch.setattr(local.os, "preadv", broken)
         with pytest.raises(cio.errors.StorageError) as ei:
             fh.read(4096, bytearray(16))
         assert ei.value.errno == errno.EIO and ei.value.offset == 4096

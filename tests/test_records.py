@@ -276,17 +276,22 @@ def test_write_eio_surfaces_and_sticks(backend, monkeypatch, tmp_path):
         def __getattr__(self, name):
             return getattr(os, name)
 
-        def pwrite(self, fd, data, offset, *a):
+        def _fail_at(self, offset):
             calls.append(offset)
             if offset == 4096 + MiB:                # the second page (after the header)
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        def pwrite(self, fd, data, offset, *a):
+            self._fail_at(offset)
             return os.pwrite(fd, data, offset, *a)
 
-        pwritev = pwrite
+        def pwritev(self, fd, bufs, offset, *a):
+            self._fail_at(offset)
+            return os.pwritev(fd, bufs, offset, *a)
 
     where = {"dir": str(tmp_path)} if backend == "auto" else {}
+    monkeypatch.setattr(local, "os", EIO())          # before open: the fast path binds it
     log = cio.RecordFile("wfail", "w+", page_size=MiB, depth=2, backend=backend, **where)
-    monkeypatch.setattr(local, "os", EIO())
     chunk = np.zeros(MiB // 8 // 4)                  # four records per page
     with pytest.raises(StorageError) as ei:
         for _ in range(64):

@@ -253,13 +253,8 @@ def test_failed_later_flush_keeps_the_durable_records(workdir, monkeypatch):
     durable commit readable."""
     import chemio_py.backends.local as local
     where = str(workdir)
-    log = cio.RecordFile("log", "w+", dir=where, page_size=MiB)
-    for i in range(100):
-        log.append(*rec(i))  # noqa: F821
-    log.flush(durable=True)
-    for i in range(100, 300):
-        log.append(*rec(i))  # noqa: F821
-    real = os.pwrite
+    real_pwrite, real_pwritev = os.pwrite, os.pwritev
+    armed = []
 
     class OS:
         def __getattr__(self, name):
@@ -267,11 +262,23 @@ def test_failed_later_flush_keeps_the_durable_records(workdir, monkeypatch):
 
         def pwrite(self, fd, data, offset, *a):     # the index is the small write at the end
             n = memoryview(data).nbytes
-            if n < 64 * 1024:
-                real(fd, bytes(memoryview(data)[:n // 2]), offset)   # half of it lands
+            if armed and n < 64 * 1024:
+                real_pwrite(fd, bytes(memoryview(data).cast("B")[:n // 2]), offset)  # half lands
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real(fd, data, offset, *a)
-    monkeypatch.setattr(local, "os", OS())
+            return real_pwrite(fd, data, offset, *a)
+
+        def pwritev(self, fd, bufs, offset, *a):
+            if armed and len(bufs) == 1:
+                return self.pwrite(fd, bufs[0], offset)
+            return real_pwritev(fd, bufs, offset, *a)
+    monkeypatch.setattr(local, "os", OS())           # before open: the fast path binds it
+    log = cio.RecordFile("log", "w+", dir=where, page_size=MiB)
+    for i in range(100):
+        log.append(*rec(i))  # noqa: F821
+    log.flush(durable=True)
+    for i in range(100, 300):
+        log.append(*rec(i))  # noqa: F821
+    armed.append(True)
     with pytest.raises(OSError):
         log.flush()
     monkeypatch.undo()
