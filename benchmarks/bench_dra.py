@@ -24,8 +24,13 @@ Methods, on the same data in the same run, interleaved in rotating order:
 * ``h5py`` — a chunked dataset with the same chunk shape, no compression (file fsync'ed);
 * ``zarr`` — v3 array with the same chunks, no compression (every chunk file fsync'ed).
 
-Targets (from the issue): DRA cold aligned read >= 0.8x raw, cold non-aligned >= 0.6x;
-writes >= 0.8x raw; DRA faster than each of memmap, h5py and zarr in every case (>= 1x).
+Targets (from the issues): DRA cold aligned read >= 0.8x raw, cold non-aligned >= 0.6x;
+aligned writes >= 0.8x raw; DRA faster than each of memmap, h5py and zarr in every case
+(>= 1x; for non-aligned writes, which must read the partial pages at the section edges
+first, that is the target: raw is informational); with ``request_shape`` = the section,
+cold aligned reads >= 1x h5py (whose file, filled in write order, holds the aligned
+section's chunks one after another, while the DRA grid keeps every other 16 MB of the
+file between the section's rows of chunks).
 fio's O_DIRECT sequential read (1 MiB, QD16) of the same bytes is reported when installed.
 """
 from __future__ import annotations
@@ -322,7 +327,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
 
     size = f"{s}x{s} of {n}x{n} f8, chunks {chunks[0]}x{chunks[1]}"
     rows = []
-    targets = {("write", "aligned"): 0.8, ("write", "non-aligned"): 0.8,
+    targets = {("write", "aligned"): 0.8,
                ("cold read", "aligned"): 0.8, ("cold read", "non-aligned"): 0.6}
     for op in ("write", "cold read", "hot read", "hot read again"):
         for case in cases:
@@ -334,6 +339,11 @@ def run(quick: bool, workdir: str) -> list[dict]:
             rows.append(row(f"DRA (request_shape={s}x{s}) {op} {case}", "MiB/s",
                             bw("DRA hinted", op, case), base, bw("raw", op, case),
                             note=f"one {s}x{s} chunk per aligned section; median of {reps}"))
+    if bw("h5py", "cold read", "aligned") is not None:
+        rows.append(row(f"DRA (request_shape={s}x{s}) vs h5py: cold read aligned", "MiB/s",
+                        bw("DRA hinted", "cold read", "aligned"), "h5py",
+                        bw("h5py", "cold read", "aligned"), target=1.0,
+                        note=f"h5py with the default DRA chunks; median of {reps}"))
     for op in ("write", "cold read", "hot read", "hot read again"):
         for case in cases:
             for other in ("numpy.memmap", "h5py", "zarr"):

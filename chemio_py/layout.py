@@ -43,6 +43,22 @@ except (ValueError, OSError, AttributeError):  # pragma: no cover
 Region = tuple  # tuple of slice(start, stop) with step 1, inside the shape
 
 
+class Part(tuple):
+    """A region cut from a larger one by ``Layout.split``: a plain region (tuple of slices)
+    that also knows the region it was cut from, ``whole``, so that a store moving one part
+    can plan for the whole request (e.g. where its contiguous byte ranges end)."""
+
+    whole: Region
+
+    def __new__(cls, region: Region, whole: Region) -> "Part":
+        part = super().__new__(cls, region)
+        part.whole = tuple(whole)
+        return part
+
+    def __reduce__(self) -> tuple:
+        return Part, (tuple(self), self.whole)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -193,7 +209,8 @@ class Layout:
         Cuts fall on chunk boundaries, leading axes first (so runs of chunks that follow
         each other on disk stay together). A single chunk piece larger than twice
         ``task_bytes`` is cut into bands along its first long axis only when
-        ``within_chunks`` (stores that write bytes, not whole chunks).
+        ``within_chunks`` (stores that write bytes, not whole chunks). The sub-regions are
+        ``Part``s whose ``whole`` is ``region``.
         """
         if any(s.stop <= s.start for s in region):
             return []
@@ -229,9 +246,31 @@ class Layout:
                 for a in range(s.start, s.stop, step):
                     out.append(r[:j] + (slice(a, min(a + step, s.stop)),) + r[j + 1:])
         out.sort(key=lambda r: tuple(s.start for s in r))
-        return out
+        whole = tuple(region)
+        return [Part(r, whole) for r in out]
 
     # ------------------------------------------------------------ byte runs
+    def extents(self, region: Region) -> tuple[np.ndarray, np.ndarray]:
+        """First and end byte (sorted arrays) of the stretches of the file that ``region``
+        spans: the byte spans of its pieces, from each piece's first to its last element,
+        merged where they are at most ``SIEVE_HOLE`` apart (a read fills such holes)."""
+        isz = self.itemsize
+        firsts, ends = [], []
+        for p in self.pieces(region):
+            st = c_strides(p.extent, isz)
+            local = [a - i * c for a, i, c in zip(p.start, p.index, self.chunks)]
+            first = p.offset + sum(x * t for x, t in zip(local, st))
+            firsts.append(first)
+            ends.append(first + sum((n - 1) * t for n, t in zip(p.shape, st)) + isz)
+        if not firsts:
+            e = np.zeros(0, dtype=np.int64)
+            return e, e
+        a, b = np.array(firsts, dtype=np.int64), np.array(ends, dtype=np.int64)
+        order = np.argsort(a, kind="stable")
+        a, b = a[order], np.maximum.accumulate(b[order])
+        cut = np.flatnonzero(a[1:] > b[:-1] + SIEVE_HOLE) + 1
+        return a[np.concatenate(([0], cut))], b[np.concatenate((cut - 1, [b.size - 1]))]
+
     def segments(self, region: Region, mem_strides: Sequence[int]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Disk offsets, memory offsets and lengths (bytes) of the contiguous segments.
@@ -277,8 +316,11 @@ class Layout:
 
         Each call moves one contiguous byte range of the file (at most ``max_iov`` vectors).
         With ``sieve`` > 0 (reads only) a hole between two segments is read too, into a
-        scratch buffer (memory offset -1), when it is at most ``sieve`` bytes and at most
-        a page or three times the smaller neighbour: one call then replaces many small ones.
+        scratch buffer (memory offset -1), when it is at most ``sieve`` bytes and either at
+        most a page or three times the smaller neighbour, or the pages only the hole covers
+        are at most three times the pages the smaller neighbour touches (the device reads
+        whole pages, and read-ahead those of a short hole anyway): one call then replaces
+        many small ones.
         """
         d, m, n = self.segments(region, mem_strides)
         if d.size == 0:
@@ -286,7 +328,10 @@ class Layout:
         hole = d[1:] - d[:-1] - n[:-1]
         if sieve > 0:
             lim = np.minimum(sieve, np.maximum(PAGE, 3 * np.minimum(n[:-1], n[1:])))
-            join = hole <= lim
+            inner = np.maximum(0, d[1:] // PAGE - -(-(d[:-1] + n[:-1]) // PAGE))
+            touched = np.minimum((d[:-1] + n[:-1] - 1) // PAGE - d[:-1] // PAGE,
+                                 (d[1:] + n[1:] - 1) // PAGE - d[1:] // PAGE) + 1
+            join = (hole <= lim) | ((hole <= sieve) & (inner <= 3 * touched))
         else:
             join = hole == 0
         starts = np.concatenate(([True], ~join))
