@@ -375,6 +375,72 @@ def unmap(addr: int, nbytes: int) -> None:
     _guard["munmap"](addr, nbytes)
 
 
+# ---------------------------------------------------------------- page tables of read mappings
+
+_MADV_POPULATE_READ = 22        # Linux 5.14+: fill the page tables of a range, reading as needed
+
+
+class PageTableFiller:
+    """Fills the page tables of ranges of a read mapping in one background thread
+    (``madvise(MADV_POPULATE_READ)``, which releases the GIL), while the caller goes on.
+
+    The first copy from a fresh mapping pays one page fault per few pages, about 10 ms per
+    128 MB here; a read that brings pages into the page cache with ``preadv`` hands each
+    range over when it has read it, so the filling overlaps the rest of its I/O and a later
+    copy from the mapping costs no faults (as a ``numpy.memmap`` is mapped by its first
+    read). ``start()`` a batch, ``add`` ranges to it, ``wait`` for it: nothing is left
+    running when ``wait`` returns. Where the kernel lacks the advice, ``ok`` turns False.
+    """
+
+    def __init__(self) -> None:
+        self.ok = True
+        self._queue: Any = None
+        self._pid = -1
+        self._madvise: Any = None
+
+    def start(self) -> Any:
+        """A new batch (a ``threading.Event`` set when its ranges are done), or None."""
+        import threading
+        if not self.ok:
+            return None
+        if self._pid != os.getpid():            # first use, or a forked child: no thread
+            import queue
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                self.ok = False
+                return None
+            self._madvise, self._queue, self._pid = fn, queue.SimpleQueue(), os.getpid()
+            threading.Thread(target=self._run, args=(self._queue,), daemon=True,
+                             name="chemio-pagetables").start()
+        return threading.Event()
+
+    def add(self, batch: Any, addr: int, nbytes: int) -> None:
+        """Queue the pages of ``[addr, addr + nbytes)`` (rounded out to whole pages)."""
+        lo = addr - addr % mmap.PAGESIZE
+        self._queue.put((lo, -(-(addr + nbytes - lo) // mmap.PAGESIZE) * mmap.PAGESIZE, None))
+
+    def wait(self, batch: Any) -> None:
+        self._queue.put((0, 0, batch))
+        batch.wait()
+
+    def _run(self, q: Any) -> None:
+        fn = self._madvise
+        while True:
+            addr, n, batch = q.get()
+            if batch is not None:
+                batch.set()
+            elif self.ok and fn(addr, n, _MADV_POPULATE_READ) != 0 \
+                    and ctypes.get_errno() == errno.EINVAL:
+                self.ok = False                 # a kernel before 5.14
+
+
+page_tables = PageTableFiller()
+
+
 class ScratchPlaces:
     """The ``Backend`` methods of a backend whose objects are plain files or directories in
     the job's scratch (``local``, ``mpiio``, ``zarr``): where they go, whether one is

@@ -191,23 +191,43 @@ def test_a_sigbus_elsewhere_still_kills(tmp_path):
         os.unlink(os.path.join(tmp_path, name))
 
 
-def test_map_after_read_maps_the_pages_a_cold_read_brought_in(tmp_path, monkeypatch):
-    """Opt-in (``MAP_AFTER_READ``): a read through preadv also maps its pages, so the next
-    cached read takes no page faults."""
+@pytest.mark.parametrize("sec", [(slice(33, 590), slice(70, 650)),     # runs of chunk rows
+                                 (slice(64, 128), slice(0, 700)),      # one whole chunk row
+                                 (slice(5, 6), slice(3, 4))])          # one element
+def test_a_cold_read_leaves_its_pages_mapped(tmp_path, sec):
+    """A read through preadv hands its ranges to the page-table filler as it goes, so the
+    next read of the section from the page cache copies without page faults (as a
+    ``numpy.memmap``'s first read maps its pages), and nothing is left running after it."""
     import resource
-    monkeypatch.setattr(local, "MAP_AFTER_READ", True)
+    if not posix.page_tables.ok:
+        pytest.skip("the kernel lacks MADV_POPULATE_READ (Linux 5.14+)")
     model = np.arange(600 * 700, dtype="f8").reshape(600, 700)
     d = cio.DiskArray.create("m", model.shape, "f8", chunks=(64, 128), path=tmp_path)
     d[...] = model
     d.flush()
-    sec = (slice(33, 590), slice(70, 650))
-    d._store.evict()
-    np.testing.assert_array_equal(d[sec], model[sec])   # cold: preadv, then mapped
-    out = np.empty((557, 580))
+    d.evict()
+    np.testing.assert_array_equal(d[sec], model[sec])   # cold: preadv, page tables filled
+    assert _mapped(d._store)
+    out = np.empty(model[sec].shape)
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     assert d._store.read_cached(sec, out)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0 < 20   # ~300 without
     np.testing.assert_array_equal(out, model[sec])
+    d.evict()                                            # unmapped: the pages can go
+    assert not _mapped(d._store)
+    np.testing.assert_array_equal(d[sec], model[sec])
+    d.delete()
+
+
+def test_cold_reads_without_the_filler_are_unchanged(tmp_path, monkeypatch):
+    """Where the kernel lacks the advice (``ok`` False), reads take the plain preadv path."""
+    monkeypatch.setattr(posix.page_tables, "ok", False)
+    model = np.arange(300 * 200, dtype="i4").reshape(300, 200)
+    d = cio.DiskArray.create("n", model.shape, "i4", chunks=(32, 64), path=tmp_path)
+    d[...] = model
+    d.evict()
+    np.testing.assert_array_equal(d[10:290, 7:199], model[10:290, 7:199])
+    np.testing.assert_array_equal(d[10:290, 7:199], model[10:290, 7:199])
     d.delete()
 
 
