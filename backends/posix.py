@@ -415,7 +415,7 @@ class PageTableFiller:
                 return None
             self._madvise, self._queue, self._pid = fn, queue.SimpleQueue(), os.getpid()
             threading.Thread(target=self._run, args=(self._queue,), daemon=True,
-                             name="chemio-pagetables").start()
+                             name="chemio-io-pagetables").start()
         return threading.Event()
 
     def add(self, batch: Any, addr: int, nbytes: int) -> None:
