@@ -14,20 +14,7 @@ import numpy as np
 
 import chemio_py as cio
 from chemio_py import layout as L
-
-
-def _apply(lay, region, out, image, sieve):
-    """Run ``lay.runs`` against a bytes image as a preadv loop would; the runs."""
-    base = out.reshape(-1).view(np.uint8)
-    runs = lay.runs(region, out.strides, sieve=sieve)
-    for off, moffs, lens in runs:
-        assert len(moffs) <= L.IOV_MAX
-        pos = off
-        for m, n in zip(moffs, lens):
-            if m >= 0:
-                base[m:m + n] = image[pos:pos + n]
-            pos += n
-    return runs
+from test_layout import apply_runs
 
 
 def _image(shape, chunks):
@@ -55,7 +42,7 @@ def test_narrow_row_pieces_are_read_in_a_few_calls():
     lay, image = _image((200, 8000), (200, 4000))
     region = (slice(0, 200), slice(4000, 4750))
     out = np.zeros(L.region_shape(region), np.int64)
-    runs = _apply(lay, region, out, image, L.SIEVE_HOLE)
+    runs = apply_runs(lay, region, out, image, L.SIEVE_HOLE)
     np.testing.assert_array_equal(out, _want(lay, region))
     assert len(runs) == 1                       # was one call per row: 200
     for _, moffs, lens in runs:                 # every filled hole is one row's rest
@@ -68,7 +55,7 @@ def test_holes_much_wider_than_the_data_stay_unread():
     lay, image = _image((400, 4000), (400, 4000))
     region = (slice(0, 400), slice(5, 6))
     out = np.zeros((400, 1), np.int64)
-    runs = _apply(lay, region, out, image, L.SIEVE_HOLE)
+    runs = apply_runs(lay, region, out, image, L.SIEVE_HOLE)
     np.testing.assert_array_equal(out, _want(lay, region))
     assert len(runs) == 400 and all(m >= 0 for r in runs for m in r[1])
 
@@ -82,7 +69,7 @@ def test_filled_pages_stay_within_three_times_the_touched_pages():
         lay, image = _image((600, 4000), (600, 4000))
         region = (slice(0, 600), slice(c0, c0 + cols))
         out = np.zeros(L.region_shape(region), np.int64)
-        runs = _apply(lay, region, out, image, L.SIEVE_HOLE)
+        runs = apply_runs(lay, region, out, image, L.SIEVE_HOLE)
         np.testing.assert_array_equal(out, _want(lay, region))
         vecs = []                               # (file offset, memory offset, length)
         for off, moffs, lens in runs:

@@ -27,18 +27,20 @@ def model_offsets(shape, chunks, itemsize):
 
 
 def apply_runs(lay, region, out, image, sieve=0):
-    """Execute ``lay.runs`` against a bytes image, as a preadv loop would."""
+    """Execute ``lay.runs`` against a bytes image, as a preadv loop would; the runs."""
     flat = out.reshape(-1).view(np.uint8) if out.flags.c_contiguous else None
     base = np.lib.stride_tricks.as_strided(
         out, shape=(sum((n - 1) * s for n, s in zip(out.shape, out.strides)) // out.itemsize + 1,),
         strides=(out.itemsize,)).view(np.uint8) if flat is None else flat
-    for off, moffs, lens in lay.runs(region, out.strides, sieve=sieve):
+    runs = lay.runs(region, out.strides, sieve=sieve)
+    for off, moffs, lens in runs:
         assert len(moffs) <= L.IOV_MAX
         pos = off
         for m, n in zip(moffs, lens):
             if m >= 0:
                 base[m:m + n] = image[pos:pos + n]
             pos += n
+    return runs
 
 
 CASES = [((37, 23), (5, 7)), ((9, 10, 11), (2, 3, 4)), ((50,), (7,)), ((20, 30), (20, 30)),
