@@ -2,10 +2,18 @@
 
 A thread pool pays several thread hand-offs per request under the GIL; the kernel's AIO
 interface queues O_DIRECT reads and writes to the device without any thread: the caller
-submits (one system call) and a single reaper thread collects completions in batches. This
-is what fio's ``libaio`` engine does, reached here through ``syscall(2)`` with ctypes, so no
-library is needed. Only O_DIRECT requests are truly asynchronous in Linux AIO, so the local
-backend uses it for aligned requests on its O_DIRECT descriptor and the pool for the rest.
+submits (one system call) and completions are collected in batches. This is what fio's
+``libaio`` engine does, reached here through ``syscall(2)`` with ctypes, so no library is
+needed. Only O_DIRECT requests are truly asynchronous in Linux AIO, so the local backend
+uses it for aligned requests on its O_DIRECT descriptor and the pool for the rest.
+
+Who collects completions: one thread at a time holds the engine's reaping token. A thread
+waiting for one of the engine's requests takes it and reaps in its own thread, so a waiter
+is woken by the kernel directly, with no hand-off through another thread; the reaper thread
+collects only while nobody waits (and for ``GRACE`` seconds after a wait, so that a loop
+that submits and waits in turn keeps the token to itself). Whoever delivers does so under
+the reaper's thread name (the trace track of the I/O, what callbacks see), and in the main
+thread with KeyboardInterrupt held back until the engine's bookkeeping is consistent.
 
 ``engine()`` returns the process's engine, or None where the kernel or architecture lacks
 AIO (the callers then use the pool).
@@ -16,6 +24,7 @@ import ctypes
 import errno
 import os
 import platform
+import signal
 import threading
 import time
 from typing import Any, Callable
@@ -24,6 +33,11 @@ import numpy as np
 
 from chemio_py import requests
 
+try:                        # the C module: signal's wrappers convert to enums, 10x slower
+    import _signal as _sig  # type: ignore[import-not-found]
+except ImportError:         # pragma: no cover - other Pythons
+    _sig = signal
+
 # io_setup, io_destroy, io_getevents, io_submit
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 IOCB_CMD_PREAD, IOCB_CMD_PWRITE = 0, 1
@@ -31,7 +45,15 @@ QUEUE_DEPTH = 256          # single requests in flight
 BLOCK = 32                 # control blocks of one submitted group (submit_many)
 BLOCKS = 8                 # groups in flight: BLOCKS * BLOCK more requests
 BATCH = 64
-REAP_WAIT_NS = 200_000
+REAP_WAIT_NS = 200_000     # the reaper's wait for a batch of completions
+IDLE_WAIT_NS = 50_000_000  # its longest wait for one (then it gives the token back)
+WAITER_WAIT_NS = 20_000_000    # a waiter's longest single io_getevents (it then looks again)
+GRACE = 0.001              # seconds the reaper leaves the token alone after a wait ends
+TOKEN_POLL = 0.0002        # a waiter without the token looks again this often
+_SIGINT = int(signal.SIGINT)
+_TRACK = "chemio-aio"      # the thread name completions are delivered under (trace track)
+# Request states (chemio_py.requests): a native request is under way from the start
+_RUNNING, _DONE = requests._RUNNING, requests._DONE
 
 
 class _IOCB(ctypes.Structure):
@@ -49,19 +71,6 @@ _IOCB_DTYPE = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"),
                         ("opcode", "<u2"), ("reqprio", "<i2"), ("fildes", "<u4"),
                         ("buf", "<u8"), ("nbytes", "<u8"), ("offset", "<i8"),
                         ("reserved2", "<u8"), ("flags", "<u4"), ("resfd", "<u4")])
-_EVENT_DTYPE = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
-
-
-class _Group:
-    """One submit_many call: its request, the per-transfer results, what is left."""
-
-    __slots__ = ("req", "keep", "then", "t0", "results", "left")
-
-    def __init__(self, req: requests.Request, keep: Any, then: Callable, n: int):
-        self.req, self.keep, self.then = req, keep, then
-        self.t0 = time.perf_counter()
-        self.results = [0] * n
-        self.left = n
 
 
 class _Timespec(ctypes.Structure):
@@ -73,11 +82,41 @@ class _Event(ctypes.Structure):
                 ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
 
 
-class Engine:
-    """One AIO context and its reaper thread; thread-safe submission.
+class _Req(requests.Request):
+    """A request of the engine: one transfer (``results`` None) or a group of them.
 
-    ``QUEUE_DEPTH`` control blocks (and the pointer arrays io_submit takes) are made once and
-    reused through a free list: submitting allocates no ctypes objects.
+    It is under way in the kernel from the start, so it cannot be cancelled; ``wait()``
+    reaps completions in the waiting thread (see the module docstring).
+    """
+
+    __slots__ = ("_eng", "_keep", "_then", "_t0", "_results", "_left")
+
+    def __init__(self, eng: "Engine", stats: Any, keep: Any, then: Callable, n: int,
+                 group: bool):
+        super().__init__(stats)
+        self._state = _RUNNING
+        self._eng, self._keep, self._then = eng, keep, then
+        self._t0 = time.perf_counter()
+        self._results = [0] * n if group else None
+        self._left = n                      # transfers not reaped yet
+
+    def _block(self, timeout: float | None) -> None:
+        if self._state >= _DONE:
+            return
+        t0 = time.perf_counter()
+        done = self._eng._wait(self, None if timeout is None else t0 + max(0.0, timeout))
+        if self._stats is not None:
+            self._stats.waited(time.perf_counter() - t0)
+        if not done:
+            raise TimeoutError(f"request not complete after {timeout} s")
+
+
+class Engine:
+    """One AIO context, its reaping token and its reaper thread; thread-safe submission.
+
+    ``QUEUE_DEPTH`` control blocks for single requests and ``BLOCKS`` blocks of ``BLOCK``
+    for groups are made once and reused through free lists: submitting allocates no
+    ctypes objects.
     """
 
     def __init__(self, nr: tuple[int, int, int, int]):
@@ -92,12 +131,15 @@ class Engine:
         for slot, cb in enumerate(self._cbs):
             cb.data = slot
         self._ptrs = [(ctypes.POINTER(_IOCB) * 1)(ctypes.pointer(cb)) for cb in self._cbs]
-        self._entries: list[tuple | None] = [None] * QUEUE_DEPTH
+        self._entries: list[_Req | None] = [None] * QUEUE_DEPTH
         self._free = list(range(QUEUE_DEPTH))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()       # free lists, owners and counters
+        # The right to reap (io_getevents + delivery); reentrant: a completion callback may
+        # wait for, or submit, more of the engine's requests.
+        self._token = threading.RLock()
         self._events = (_Event * BATCH)()
         # ctypes arrays are buffers; typeshed says so for Python 3.12+ only
-        self._event_rec = np.frombuffer(self._events, dtype=_EVENT_DTYPE)  # type: ignore[call-overload]
+        self._event_rows = np.frombuffer(self._events, dtype=np.int64).reshape(BATCH, 4)  # type: ignore[call-overload]
         # Group control blocks: block b holds BLOCK records whose ``data`` is
         # QUEUE_DEPTH + b * BLOCK + i, so a completion names its group and its place.
         self._gcbs = np.zeros((BLOCKS, BLOCK), dtype=_IOCB_DTYPE)
@@ -108,18 +150,24 @@ class Engine:
         self._gptrs = (self._gcbs.ctypes.data + _IOCB_DTYPE.itemsize
                        * np.arange(BLOCKS * BLOCK, dtype=np.uint64)).reshape(BLOCKS, BLOCK)
         self._gptr_addr = [ctypes.c_void_p(self._gptrs[b].ctypes.data) for b in range(BLOCKS)]
-        self._gowner: list[tuple | None] = [None] * BLOCKS    # (group, first index, count)
+        self._gowner: list[tuple | None] = [None] * BLOCKS    # (request, first index)
         self._gleft = [0] * BLOCKS
         self._gfree = list(range(BLOCKS))
-        self._busy = 0
-        self._deliver_lock = threading.Lock()
-        self._poll_lock = threading.Lock()
-        self._poll_events = (_Event * BATCH)()
-        self._poll_rec = np.frombuffer(self._poll_events, dtype=_EVENT_DTYPE)  # type: ignore[call-overload]
-        self._no_wait = _Timespec(0, 0)
-        self._reaper = threading.Thread(target=self._reap, name="chemio-aio", daemon=True)
+        self._gkind = [(-1, -1, 0)] * BLOCKS   # (op_fd, size, rows) last written per block
+        self._counts = [ctypes.c_long(k) for k in range(BLOCK + 1)]
+        self._busy = 0                      # transfers submitted, not delivered yet
+        self._waiting: list = []            # one item per thread in _wait
+        self._last_wait = 0.0
+        self._no_wait = ctypes.byref(_Timespec(0, 0))
+        self._reaper_wait = ctypes.byref(_Timespec(0, REAP_WAIT_NS))
+        self._idle_wait = ctypes.byref(_Timespec(0, IDLE_WAIT_NS))
+        self._waiter_wait = ctypes.byref(_Timespec(WAITER_WAIT_NS // 10**9,
+                                                   WAITER_WAIT_NS % 10**9))
+        self._main = threading.main_thread().ident     # where signal handlers run
+        self._reaper = threading.Thread(target=self._reap_loop, name=_TRACK, daemon=True)
         self._reaper.start()
 
+    # -------------------------------------------------------------- submission
     def submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
                keep: Any, then: Callable[[int, float, float], Any],
                stats: Any = None) -> requests.Request | None:
@@ -129,13 +177,18 @@ class Engine:
         ``keep`` (the buffer) stays referenced until completion. Returns None when the
         kernel refuses the request or all slots are in use (the caller then uses the pool).
         """
-        req = requests.Request(stats)
+        return self._guarded(self._submit, write, fd, address, nbytes, offset, keep, then,
+                             stats)
+
+    def _submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
+                keep: Any, then: Callable, stats: Any) -> requests.Request | None:
+        req = _Req(self, stats, keep, then, 1, False)
         with self._lock:
             if not self._free:
                 return None                 # the kernel queue is full: use the pool
             slot = self._free.pop()
             self._busy += 1
-            self._entries[slot] = (req, keep, then, time.perf_counter())
+            self._entries[slot] = req
         cb = self._cbs[slot]
         cb.opcode = IOCB_CMD_PWRITE if write else IOCB_CMD_PREAD
         cb.fildes = fd
@@ -144,49 +197,71 @@ class Engine:
         cb.offset = offset
         if self._syscall(self._nr[3], self._ctx, 1, self._ptrs[slot]) != 1:
             err = ctypes.get_errno()
-            self._release(slot)
+            with self._lock:
+                self._entries[slot] = None
+                self._free.append(slot)
+                self._busy -= 1
             if err in (errno.EINVAL, errno.EAGAIN, errno.EOPNOTSUPP, errno.ENOSYS):
                 return None
             raise OSError(err, os.strerror(err))
         return req
 
-    def submit_many(self, write: bool, fd: int, addresses: np.ndarray, sizes: Any,
-                    offsets: np.ndarray, keep: Any,
+    def submit_many(self, write: bool, fd: int, addresses: Any, sizes: Any,
+                    offsets: Any, keep: Any,
                     then: Callable[[list, float, float], Any],
                     stats: Any = None) -> requests.Request | None:
         """Queue many O_DIRECT transfers with one system call per ``BLOCK`` of them.
 
-        ``sizes`` is an array or one int for all. One request stands for all of them;
-        ``then(results, t0, t1)`` gives its value, with
-        ``results[i]`` the byte count of transfer ``i`` or a negative errno. Returns None
-        (nothing queued) when there are not enough free blocks or the kernel refuses the
-        first block: the caller then moves the data another way.
+        ``addresses``, ``sizes`` and ``offsets`` are arrays or lists; ``sizes`` may be one
+        int for all. One request stands for all of them; ``then(results, t0, t1)`` gives
+        its value, with ``results[i]`` the byte count of transfer ``i`` or a negative
+        errno. Returns None (nothing queued) when there are not enough free blocks or the
+        kernel refuses the first block: the caller then moves the data another way.
         """
+        return self._guarded(self._submit_many, write, fd, addresses, sizes, offsets, keep,
+                             then, stats)
+
+    def _submit_many(self, write: bool, fd: int, addresses: Any, sizes: Any, offsets: Any,
+                     keep: Any, then: Callable, stats: Any) -> requests.Request | None:
         n = len(offsets)
-        need = -(-n // BLOCK)
-        req = requests.Request(stats)
-        group = _Group(req, keep, then, n)
+        req = _Req(self, stats, keep, then, n, True)
+        gfree = self._gfree
         with self._lock:
-            if len(self._gfree) < need:
-                return None
-            blocks = [self._gfree.pop() for _ in range(need)]
+            if n <= BLOCK and gfree:
+                blocks = [gfree.pop()]
+            else:
+                need = -(-n // BLOCK)
+                if len(gfree) < need:
+                    return None
+                blocks = [gfree.pop() for _ in range(need)]
             self._busy += n
+        lo = 0
+        for b in blocks:
+            self._gowner[b] = (req, lo)
+            self._gleft[b] = min(BLOCK, n - lo)
+            lo += BLOCK
         op_fd = (IOCB_CMD_PWRITE if write else IOCB_CMD_PREAD) | (fd << 32)
+        same = type(sizes) is int
         for j, b in enumerate(blocks):
-            lo, hi = j * BLOCK, min(n, (j + 1) * BLOCK)
+            lo = j * BLOCK
+            hi = min(n, lo + BLOCK)
             k = hi - lo
-            self._gowner[b] = (group, lo, k)
-            self._gleft[b] = k
             w = self._gwords[b, :k]
-            w[:, 2] = op_fd
+            kind = self._gkind[b]           # opcode, descriptor and size as last written
+            if not same or kind[0] != op_fd or kind[1] != sizes or kind[2] < k:
+                w[:, 2] = op_fd
+                w[:, 4] = sizes if same else sizes[lo:hi]
+                self._gkind[b] = (op_fd, sizes, k) if same else (-1, -1, 0)
             w[:, 3] = addresses[lo:hi]
-            w[:, 4] = sizes if type(sizes) is int else sizes[lo:hi]
             w[:, 5] = offsets[lo:hi]
-            got = self._syscall(self._nr[3], self._ctx, ctypes.c_long(k), self._gptr_addr[b])
+            got = self._syscall(self._nr[3], self._ctx, self._counts[k], self._gptr_addr[b])
             if got == k:
                 continue
-            err = ctypes.get_errno() if got < 0 else errno.EAGAIN
-            if j == 0 and got <= 0:
+            got, err = self._submit_rest(b, k, max(got, 0),
+                                         ctypes.get_errno() if got < 0 else errno.EAGAIN)
+            if got == k:
+                continue
+            if j == 0 and got == 0:
                 with self._lock:                      # nothing queued: let the caller decide
                     self._busy -= n
                     self._gfree.extend(blocks)
@@ -197,98 +272,180 @@ class Engine:
                 raise OSError(err, os.strerror(err))
             # Part of the group is queued and cannot be taken back: fail the rest, which
             # completes the request (with this error) once the queued part is done.
-            self._complete_unqueued(group, blocks[j:], max(got, 0), err)
+            rows = [(QUEUE_DEPTH + b * BLOCK + i, 0, -err, 0) for i in range(got, k)]
+            for j2 in range(j + 1, len(blocks)):
+                rows += [(QUEUE_DEPTH + blocks[j2] * BLOCK + i, 0, -err, 0)
+                         for i in range(min(BLOCK, n - j2 * BLOCK))]
+            with self._token:
+                self._deliver(rows, time.perf_counter())
             break
         return req
 
-    def _complete_unqueued(self, group: _Group, blocks: list, queued_in_first: int,
-                           err: int) -> None:
-        events = []
-        for j, b in enumerate(blocks):
-            _, lo, k = self._gowner[b]
-            start = queued_in_first if j == 0 else 0
-            events += [(QUEUE_DEPTH + b * BLOCK + i, -err) for i in range(start, k)]
-        self._complete(events, time.perf_counter())
+    def _submit_rest(self, b: int, k: int, got: int, err: int) -> tuple[int, int]:
+        """After io_submit queued ``got`` < ``k`` control blocks of group block ``b``:
+        submit the rest again, which queues them or names the error of the first one
+        refused (a short count says none). Returns (queued, errno)."""
+        while got < k:
+            at = ctypes.c_void_p(int(self._gptrs[b, got:].ctypes.data))
+            more = self._syscall(self._nr[3], self._ctx, ctypes.c_long(k - got), at)
+            if more <= 0:
+                return got, ctypes.get_errno() if more < 0 else err
+            got += more
+        return got, 0
 
-    def _release(self, slot: int) -> tuple | None:
-        with self._lock:
-            entry, self._entries[slot] = self._entries[slot], None
-            self._free.append(slot)
-            self._busy -= 1
-        return entry
-
-    def _complete(self, events: Any, t1: float) -> None:
-        """Deliver ``(data, res)`` completions: single requests and group members."""
-        with self._deliver_lock:            # the reaper, or a submitter failing a group's rest
-            self._deliver(events, t1)
-
-    def _deliver(self, events: Any, t1: float) -> None:
-        finished_groups, freed, members = [], [], 0
-        for data, res in events:
+    # -------------------------------------------------------------- completion
+    def _deliver(self, rows: Any, t1: float) -> None:
+        """Complete the requests of finished transfers: ``rows`` of (data, obj, res, res2).
+        Called holding the token."""
+        finished, singles, freed, members = [], [], [], 0
+        entries, gowner, gleft = self._entries, self._gowner, self._gleft
+        for data, _obj, res, _res2 in rows:
             if data < QUEUE_DEPTH:
-                entry = self._release(data)
-                if entry is None:
+                req = entries[data]
+                if req is None:
                     continue
-                req, _keep, then, t0 = entry
-                req.complete_with(then, res, t0, t1)
+                entries[data] = None
+                singles.append(data)
+                req._results = res
+                finished.append(req)
                 continue
             b, i = divmod(data - QUEUE_DEPTH, BLOCK)
-            owner = self._gowner[b]
+            owner = gowner[b]
             if owner is None:
                 continue
-            group, lo, _k = owner
+            req, lo = owner
+            req._results[lo + i] = res
+            req._left -= 1
+            if not req._left:
+                finished.append(req)
             members += 1
-            group.results[lo + i] = res
-            group.left -= 1
-            if group.left == 0:
-                finished_groups.append(group)
-            self._gleft[b] -= 1
-            if self._gleft[b] == 0:
-                self._gowner[b] = None
+            gleft[b] -= 1
+            if not gleft[b]:
+                gowner[b] = None
                 freed.append(b)
-        if members:
-            with self._lock:
-                self._busy -= members
-                self._gfree.extend(freed)
-        for group in finished_groups:
-            group.req.complete_with(group.then, group.results, group.t0, t1)
+        with self._lock:
+            self._busy -= members + len(singles)
+            self._gfree.extend(freed)
+            self._free.extend(singles)
+        if not finished:
+            return
+        me = threading.current_thread()
+        name = me.name
+        if name != _TRACK:      # a waiter delivering: as the AIO thread (trace track, callbacks)
+            me.name = _TRACK
+        try:
+            for req in finished:
+                req._left = 0
+                req.complete_with(req._then, req._results, req._t0, t1)
+                req._keep = None
+        finally:
+            if name != _TRACK:
+                me.name = name
 
-    def _reap(self) -> None:
-        events, nr_getevents = self._events, self._nr[2]
-        # Waking for every completion costs a GIL hand-off each; with many in flight, wait
-        # for a quarter of them (at most REAP_WAIT_NS) and complete them in one go.
-        timeout = _Timespec(0, REAP_WAIT_NS)
+    def _reap(self, min_nr: int, timeout: Any) -> int:
+        """Holding the token: collect finished transfers and complete their requests.
+        Returns how many, or -errno."""
+        n = self._syscall(self._nr[2], self._ctx, min_nr, BATCH, self._events, timeout)
+        if n > 0:
+            self._deliver(self._event_rows[:n].tolist(), time.perf_counter())
+            return n
+        return -ctypes.get_errno() if n < 0 else 0
+
+    def _guarded(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` with KeyboardInterrupt (SIGINT's handler) held back until it
+        returns, in the main thread: an interrupt inside the engine's bookkeeping (between
+        taking the token and giving it back, between collecting completions and delivering
+        them, between taking a block and submitting it) would leak it for good and leave
+        requests that never complete."""
+        if threading.get_ident() != self._main:
+            return fn(*args)
+        handler = _sig.getsignal(_SIGINT)
+        if not callable(handler):
+            return fn(*args)
+        held: list = []
+        _sig.signal(_SIGINT, lambda signum, frame: held.append(frame))
+        try:
+            return fn(*args)
+        finally:
+            _sig.signal(_SIGINT, handler)
+            if held:
+                handler(_SIGINT, held[0])
+
+    def _wait(self, req: _Req, deadline: float | None) -> bool:
+        """Reap in this thread until ``req`` is complete (or ``deadline`` passes)."""
+        waiting = self._waiting
+        try:
+            waiting.append(None)            # list append/pop: atomic, no lock needed
+            while req._state < _DONE:
+                n = self._guarded(self._wait_step, req, deadline)
+                if n is None:               # another thread reaps: for us too, or it stops
+                    if req._lock.acquire(timeout=TOKEN_POLL):
+                        req._lock.release()
+                elif n < 0 and n != -errno.EINTR:
+                    break                   # no context here (a forked child): plain wait
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return req._state >= _DONE
+        finally:
+            waiting.pop()
+            self._last_wait = time.perf_counter()
+        if req._state < _DONE:
+            left = -1 if deadline is None else max(0.0, deadline - time.perf_counter())
+            if req._lock.acquire(timeout=left):
+                req._lock.release()
+        return req._state >= _DONE
+
+    def _wait_step(self, req: _Req, deadline: float | None) -> int | None:
+        """Reap once if no other thread does (else None)."""
+        if not self._token.acquire(False):
+            return None
+        try:
+            if req._state >= _DONE:
+                return 0
+            # each of its transfers not reaped yet will complete: wait for as many
+            return self._reap(min(req._left, BATCH), self._timeout(deadline))
+        finally:
+            self._token.release()
+
+    def _timeout(self, deadline: float | None) -> Any:
+        if deadline is not None:
+            left = max(0.0, deadline - time.perf_counter())
+            if left < WAITER_WAIT_NS * 1e-9:
+                return ctypes.byref(_Timespec(0, int(left * 1e9)))
+        return self._waiter_wait
+
+    def _reap_loop(self) -> None:
         while True:
-            busy = self._busy
-            if busy >= 8:
-                n = self._syscall(nr_getevents, self._ctx, busy // 4, BATCH, events,
-                                  ctypes.byref(timeout))
-            else:
-                n = self._syscall(nr_getevents, self._ctx, 1, BATCH, events, None)
-            if n < 0:
-                if ctypes.get_errno() == errno.EINTR:
-                    continue
-                return                      # context destroyed
-            rec = self._event_rec[:n]
-            self._complete(zip(rec["data"].tolist(), rec["res"].tolist()),
-                           time.perf_counter())
+            if self._waiting or time.perf_counter() - self._last_wait < GRACE:
+                time.sleep(GRACE)           # a waiter reaps for itself
+                continue
+            if not self._token.acquire(timeout=GRACE):
+                continue
+            try:
+                # Waking for every completion costs a GIL hand-off each; with many in
+                # flight, wait for a quarter of them (at most REAP_WAIT_NS).
+                busy = self._busy
+                if busy >= 8:
+                    n = self._reap(min(busy // 4, BATCH), self._reaper_wait)
+                else:               # a timeout: others may need the token meanwhile
+                    n = self._reap(1, self._idle_wait)
+            finally:
+                self._token.release()
+            if n < 0 and n != -errno.EINTR:
+                time.sleep(GRACE)           # unexpected: never leave the requests behind
 
     def poll(self) -> int:
         """Complete the transfers that have finished, in the calling thread; returns how
         many. A consumer that polls before it waits needs no hand-off to the reaper
         thread, which beside compute on every core may wait for a time slice."""
-        if not self._busy or not self._poll_lock.acquire(blocking=False):
+        return self._guarded(self._poll_step) if self._busy else 0
+
+    def _poll_step(self) -> int:
+        if not self._token.acquire(False):
             return 0
         try:
-            n = self._syscall(self._nr[2], self._ctx, 0, BATCH, self._poll_events,
-                              ctypes.byref(self._no_wait))
-            if n > 0:
-                rec = self._poll_rec[:n]
-                self._complete(zip(rec["data"].tolist(), rec["res"].tolist()),
-                               time.perf_counter())
-            return max(n, 0)
+            return max(self._reap(0, self._no_wait), 0)
         finally:
-            self._poll_lock.release()
+            self._token.release()
 
     @property
     def in_flight(self) -> int:

@@ -326,6 +326,8 @@ class LocalByteStore(_PosixFile):
             return None
 
         def done(results: list, t0: float, t1: float) -> Any:
+            if type(many.sizes) is int and min(results) == many.sizes:
+                return then(results, t0, t1)        # all written whole: the usual case
             self._raise_first_error(results, many, "write")
             for i, got in enumerate(results):
                 n = many.size(i)

@@ -1,22 +1,38 @@
-"""GAMESS-like I/O mixes on a per-process EAF file, async API vs fio (libaio, iodepth 32).
+"""GAMESS-like I/O mixes on a per-process EAF file: async API vs a bare ctypes AIO loop and fio.
 
 After the distributed-file-system study of GAMESS: as its scratch files grow, the
 read/write mix moves through 0/100, 5/95, 65/35 and 85/15 (percent reads/writes). Each mix
 runs on one per-process ``cio.ExclusiveFile`` (1 GiB; 64 MiB in quick mode, filled with
-random bytes first, opened with ``direct=True`` so that both sides bypass the page cache)
+random bytes first, opened with ``direct=True`` so that every side bypasses the page cache)
 with random, size-aligned requests of 4 KiB and of 8 MiB, 32 requests in flight, issued two
 ways through the async API: grouped, ``GROUP`` requests per ``aread_many``/``awrite_many``
 call (the library's way to issue many requests; the targets apply to it), and one request
 per ``aread``/``awrite`` call in a ring of 32, the oldest waited for before its slot is
-reused (reported for information). fio runs
-the same file, mix, request size and queue depth in the same run (``ioengine=libaio``,
-``iodepth=32``, ``direct=1``, time based). Targets: >= 0.8x fio's IOPS at 4 KiB and >= 0.9x
-its bandwidth at 8 MiB. Without fio the fio column is left out (rows without a baseline).
+reused (reported for information).
+
+Two references run the same file, mix, request size and queue depth in the same run:
+
+* the pure-Python ceiling (issue 15): a bare ctypes ``io_submit``/``io_getevents`` loop with
+  no chemio_py code (its own control blocks, syscall numbers, O_DIRECT descriptor and
+  page-aligned buffers), which refills every finished slot and submits the refills with one
+  system call. Without O_DIRECT or Linux AIO it is skipped (the note says why);
+* fio (``ioengine=libaio``, ``iodepth=32``, ``direct=1``, time based), when installed.
+
+The grouped calls, the loop and fio alternate (ABBA) in slices of the case's time (10 at
+4 KiB, 4 at 8 MiB), so that the disk's drift hits all of them alike; their rates are the
+sums over the slices.
+
+Targets: at 4 KiB the grouped calls >= 0.9x the ceiling loop on every mix (fio's figure in the
+note; the ceiling row carries the ceiling-vs-fio ratio); at 8 MiB >= 0.9x fio's bandwidth.
 """
 from __future__ import annotations
 
 import collections
+import ctypes
+import errno
+import mmap
 import os
+import platform
 import sys
 import time
 from typing import Any
@@ -28,10 +44,13 @@ from common import (GiB, KiB, MiB, fio_available, mib_s, payload, raw_write_seq,
                     row, run_fio)
 
 MIXES = ((0, 100), (5, 95), (65, 35), (85, 15))       # percent reads / writes
-SIZES = ((4 * KiB, "4 KiB", 0.8, "IOPS"), (8 * MiB, "8 MiB", 0.9, "MiB/s"))
+# request size, label, target of the grouped calls, metric, what the target is against
+SIZES = ((4 * KiB, "4 KiB", 0.9, "IOPS", "ceiling"), (8 * MiB, "8 MiB", 0.9, "MiB/s", "fio"))
 IN_FLIGHT = 32
 GROUP = 8               # requests per aread_many/awrite_many call in the grouped variant
 NAME = "gamess"
+CEILING = "ctypes io_submit loop"
+_REAP_MIN = 1            # the ceiling loop refills as soon as one request has finished
 
 
 def _rates(nread: int, nwrite: int, size: int, dt: float) -> dict:
@@ -74,12 +93,13 @@ def _ours(cio: Any, workdir: str, size: int, fsize: int, read_pct: int, seconds:
 
 
 def _ours_grouped(cio: Any, workdir: str, size: int, fsize: int, read_pct: int,
-                  seconds: float, bufs: np.ndarray, seed: int) -> dict:
+                  seconds: float, bufs: np.ndarray, seed: int) -> tuple[int, int, float]:
     """The same random mix, issued ``GROUP`` at a time with ``aread_many``/``awrite_many``.
 
     Each group of ``GROUP`` random requests becomes one read call and one write call (the
     mix decides the split); groups are waited for oldest first, so that exactly
-    ``IN_FLIGHT`` requests are in flight whenever a new group is issued.
+    ``IN_FLIGHT`` requests are in flight whenever a new group is issued. Returns
+    ``(reads, writes, seconds)``.
     """
     rng = np.random.default_rng(seed)
     nslots = fsize // size
@@ -114,20 +134,186 @@ def _ours_grouped(cio: Any, workdir: str, size: int, fsize: int, read_pct: int,
             for r in ring.popleft():
                 r.wait()
         dt = time.perf_counter() - t0
-    return _rates(nread, nwrite, size, dt)
+    return nread, nwrite, dt
 
 
-def _fio(path: str, size: int, fsize: int, read_pct: int, seconds: float) -> dict | None:
+# ------------------------------------------------------------------ the pure-Python ceiling
+# Deliberately independent of chemio_py: the kernel ABI written out here.
+_AIO_SYSCALLS = {"x86_64": (206, 207, 208, 209),   # io_setup, io_destroy, io_getevents,
+                 "aarch64": (0, 1, 4, 2)}           # io_submit
+_OP_PREAD, _OP_PWRITE = 0, 1
+
+
+class _Iocb(ctypes.Structure):          # struct iocb (linux/aio_abi.h), little endian
+    _fields_ = [("aio_data", ctypes.c_uint64), ("aio_key", ctypes.c_uint32),
+                ("aio_rw_flags", ctypes.c_int32), ("aio_lio_opcode", ctypes.c_uint16),
+                ("aio_reqprio", ctypes.c_int16), ("aio_fildes", ctypes.c_uint32),
+                ("aio_buf", ctypes.c_uint64), ("aio_nbytes", ctypes.c_uint64),
+                ("aio_offset", ctypes.c_int64), ("aio_reserved2", ctypes.c_uint64),
+                ("aio_flags", ctypes.c_uint32), ("aio_resfd", ctypes.c_uint32)]
+
+
+class _IoEvent(ctypes.Structure):       # struct io_event
+    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
+                ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
+
+
+class _CeilingLoop:
+    """A bare ``io_submit``/``io_getevents`` loop over one O_DIRECT descriptor.
+
+    ``IN_FLIGHT`` control blocks, each with its own page-aligned buffer, are made once;
+    the loop waits for finished ones, refills exactly those slots (opcode and offset, two
+    NumPy assignments over the control blocks as 64-bit words) and submits them with one
+    system call. Raises OSError where the file system refuses O_DIRECT or the kernel has
+    no AIO (``errno`` says which).
+    """
+
+    def __init__(self, path: str, size: int):
+        nr = _AIO_SYSCALLS.get(platform.machine())
+        if nr is None:
+            raise OSError(errno.ENOSYS, f"no Linux AIO syscall numbers for "
+                                        f"{platform.machine()}")
+        self.size = size
+        self._setup, self._destroy, self._getevents, self._submit = nr
+        self._sys = ctypes.CDLL(None, use_errno=True).syscall
+        self._sys.restype = ctypes.c_long
+        self.fd = os.open(path, os.O_RDWR | os.O_DIRECT)   # EINVAL: no O_DIRECT here
+        self.ctx = ctypes.c_ulong(0)
+        if self._sys(self._setup, IN_FLIGHT, ctypes.byref(self.ctx)) != 0:
+            err = ctypes.get_errno()
+            os.close(self.fd)
+            raise OSError(err, f"io_setup: {os.strerror(err)}")
+        self._mem = mmap.mmap(-1, IN_FLIGHT * size)          # page aligned
+        bufs = np.frombuffer(self._mem, np.uint8)
+        bufs[:] = 7                                          # touched before timing
+        self._cbs = (_Iocb * IN_FLIGHT)()
+        self._events = (_IoEvent * IN_FLIGHT)()
+        slots = np.arange(IN_FLIGHT, dtype=np.uint64)
+        # word 0 aio_data, 2 opcode | fildes << 32, 3 aio_buf, 4 aio_nbytes, 5 aio_offset
+        self._words = np.frombuffer(self._cbs, np.uint64).reshape(IN_FLIGHT, 8)
+        self._words[:, 0] = slots
+        self._words[:, 3] = bufs.ctypes.data + slots * size
+        self._words[:, 4] = size
+        self._ev = np.frombuffer(self._events, np.int64).reshape(IN_FLIGHT, 4)
+        self._ptrs = (ctypes.addressof(self._cbs) + slots * ctypes.sizeof(_Iocb))
+        self._submit_list = np.empty(IN_FLIGHT, np.uint64)
+        del bufs
+
+    def run(self, fsize: int, read_pct: int, seconds: float,
+            seed: int) -> tuple[int, int, float]:
+        """``read_pct`` % random reads, the rest writes, for ``seconds``: (reads, writes, s)."""
+        size, words, ev, ptrs, todo = self.size, self._words, self._ev, self._ptrs, \
+            self._submit_list
+        sysc, ctx, getevents, submit = self._sys, self.ctx, self._getevents, self._submit
+        events = ctypes.c_void_p(ctypes.addressof(self._events))
+        todo_addr = ctypes.c_void_p(todo.ctypes.data)
+        rng = np.random.default_rng(seed)
+        nslots = fsize // size
+        batch = max(4 * IN_FLIGHT, min(4096, (64 * MiB) // size))
+        ops = np.array([_OP_PWRITE | self.fd << 32, _OP_PREAD | self.fd << 32], np.uint64)
+
+        def draw() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            reads = rng.integers(0, 100, batch) < read_pct
+            return (rng.integers(0, nslots, batch) * size).astype(np.uint64), ops[reads + 0], \
+                reads
+
+        offs, opfd, reads = draw()
+        nread = nwrite = 0
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+        words[:, 2] = opfd[:IN_FLIGHT]
+        words[:, 5] = offs[:IN_FLIGHT]
+        todo[:] = ptrs
+        pos = self._submit_all(IN_FLIGHT, todo_addr)
+        in_flight = IN_FLIGHT
+        while True:
+            n = sysc(getevents, ctx, _REAP_MIN, IN_FLIGHT, events, None)
+            if n <= 0:
+                err = ctypes.get_errno()
+                if n < 0 and err == errno.EINTR:
+                    continue
+                raise OSError(err, f"io_getevents: {os.strerror(err)}")
+            done = ev[:n]
+            if (done[:, 2] != size).any():
+                res = int(done[:, 2][done[:, 2] != size][0])
+                raise OSError(-res if res < 0 else errno.EIO,
+                              f"AIO transfer returned {res}, expected {size}")
+            in_flight -= n
+            if time.perf_counter() >= deadline:
+                break
+            if pos + n > batch:
+                k = int(reads[:pos].sum())
+                nread, nwrite = nread + k, nwrite + pos - k
+                offs, opfd, reads = draw()
+                pos = 0
+            slots = done[:, 0]
+            words[slots, 2] = opfd[pos:pos + n]
+            words[slots, 5] = offs[pos:pos + n]
+            todo[:n] = ptrs[slots]
+            if sysc(submit, ctx, n, todo_addr) != n:
+                err = ctypes.get_errno()
+                raise OSError(err, f"io_submit: {os.strerror(err)}")
+            pos += n
+            in_flight += n
+        while in_flight:                     # drain: every submitted request counts
+            n = sysc(getevents, ctx, 1, IN_FLIGHT, events, None)
+            if n < 0 and ctypes.get_errno() == errno.EINTR:
+                continue
+            if n <= 0:
+                raise OSError(ctypes.get_errno(), "io_getevents")
+            in_flight -= n
+        dt = time.perf_counter() - t0
+        k = int(reads[:pos].sum())
+        return nread + k, nwrite + pos - k, dt
+
+    def _submit_all(self, n: int, todo_addr: ctypes.c_void_p) -> int:
+        if self._sys(self._submit, self.ctx, n, todo_addr) != n:
+            err = ctypes.get_errno()
+            raise OSError(err, f"io_submit: {os.strerror(err)}")
+        return n
+
+    def close(self) -> None:
+        self._sys(self._destroy, self.ctx)
+        os.close(self.fd)
+        del self._words, self._ev
+        self._mem.close()
+
+
+def _ceiling_loop(path: str, size: int) -> tuple[_CeilingLoop | None, str]:
+    """The ceiling loop for ``path``, or None and why it cannot run here."""
+    try:
+        return _CeilingLoop(path, size), ""
+    except OSError as e:
+        why = ("no O_DIRECT on this file system" if e.errno == errno.EINVAL
+               else f"no Linux AIO here ({e})")
+        return None, f"{CEILING} skipped: {why}"
+
+
+def _fio(path: str, size: int, fsize: int, read_pct: int, seconds: float,
+         seed: int) -> tuple[int, int, float]:
+    """fio on the same file, mix, size and depth for ``seconds``: (reads, writes, seconds)."""
     rw = "randwrite" if read_pct == 0 else "randread" if read_pct == 100 else "randrw"
     res = run_fio(name=f"gamess{read_pct}", filename=path, rw=rw,
                   rwmixread=read_pct if rw == "randrw" else None, bs=size, size=fsize,
-                  ioengine="libaio", iodepth=IN_FLIGHT, direct=1, runtime=max(1, round(seconds)),
-                  time_based=True, randrepeat=0, norandommap=True)
-    if res is None:
-        return None
-    iops = res["read_iops"] + res["write_iops"]
-    return {"iops": iops, "mib_s": res["read_mib_s"] + res["write_mib_s"],
-            "read_iops": res["read_iops"], "write_iops": res["write_iops"]}
+                  ioengine="libaio", iodepth=IN_FLIGHT, direct=1,
+                  runtime=f"{max(1, round(seconds * 1000))}ms", time_based=True,
+                  randseed=seed, norandommap=True)
+    assert res is not None
+    dt = sum(j.get("job_runtime", 0) for j in res["raw"]["jobs"]) / 1000.0 or seconds
+    return round(res["read_iops"] * dt), round(res["write_iops"] * dt), dt
+
+
+def _interleaved(runs: dict, slices: int, seconds: float, seed: int) -> dict:
+    """Run each of ``runs`` (name -> fn(seconds, seed) -> (reads, writes, s)) in ``slices``
+    slices of ``seconds / slices``, in ABBA order; their summed rates by name."""
+    names = list(runs)
+    tot = {n: [0, 0, 0.0] for n in names}
+    for s in range(slices):
+        for k, name in enumerate(names if s % 2 == 0 else names[::-1]):
+            r, w, dt = runs[name](seconds / slices, seed + 10 * s + k)
+            t = tot[name]
+            t[0], t[1], t[2] = t[0] + r, t[1] + w, t[2] + dt
+    return {n: tot[n] for n in names}
 
 
 def run(quick: bool, workdir: str) -> list[dict]:
@@ -141,7 +327,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
     raw_write_seq(path, fsize, chunk=8 * MiB, buf=payload(8 * MiB, seed=9))
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
-        direct_note = "O_DIRECT both sides"
+        direct_note = "O_DIRECT"
     except OSError:
         direct_note = "no O_DIRECT on this file system: page cache for chemio_py"
     have_fio = fio_available()
@@ -152,37 +338,82 @@ def run(quick: bool, workdir: str) -> list[dict]:
         config.configure(io_threads=IN_FLIGHT)      # 32 blocking preadv in flight = QD 32
     rows = []
     try:
-        for size, label, target, metric in SIZES:
+        for size, label, target, metric, against in SIZES:
+            key = "iops" if metric == "IOPS" else "mib_s"
+            # the grouped calls, the loop and fio alternate (ABBA) in slices of the case's time
+            slices = 2 if quick else 10 if size < MiB else 4
             bufs = [cio.aligned_empty(size) for _ in range(IN_FLIGHT)]
             for b in bufs:
                 b[:] = 7                              # touched: no page faults while timing
             grouped = cio.aligned_empty((IN_FLIGHT, size))
             grouped[...] = 7
-            for i, (rd, wr) in enumerate(MIXES):
-                ours = _ours(cio, workdir, size, fsize, rd, seconds, bufs, seed=100 + i)
-                mine = _ours_grouped(cio, workdir, size, fsize, rd, seconds, grouped,
-                                     seed=200 + i)
-                theirs = _fio(path, size, fsize, rd, seconds) if have_fio else None
-                key = "iops" if metric == "IOPS" else "mib_s"
-                for variant, res, on in ((f"x{IN_FLIGHT}", ours, False),
-                                         (f"{GROUP} per call x{IN_FLIGHT}", mine, True)):
-                    note = (f"{rd}/{wr} reads/writes, random {label} over {fsize // MiB} MiB, "
-                            f"{IN_FLIGHT} in flight, {seconds:g} s; {direct_note}; chemio "
-                            f"{res['read_iops']:.0f} r + {res['write_iops']:.0f} w ops/s")
-                    if theirs is not None:
-                        note += (f"; fio {theirs['read_iops']:.0f} r + "
-                                 f"{theirs['write_iops']:.0f} w ops/s")
-                    if not on:
-                        note += "; one request per call, informational (target: grouped)"
-                    rows.append(row(f"gamess {rd}/{wr} {label}: EAF async {variant}", metric,
-                                    res[key], "fio libaio QD32" if theirs else None,
-                                    theirs[key] if theirs else None,
-                                    target if theirs and on else None, note))
+            loop, skipped = _ceiling_loop(path, size)
+            if size == SIZES[0][0]:
+                # untimed: the disk is still writing back the fill when the first case starts
+                _ours_grouped(cio, workdir, size, fsize, 0, seconds / 2, grouped, seed=1)
+            try:
+                for i, (rd, wr) in enumerate(MIXES):
+                    rows += _mix_rows(cio, workdir, path, size, label, target, metric, against,
+                                      key, fsize, rd, wr, seconds, slices, bufs, grouped, loop,
+                                      skipped, have_fio, direct_note, seed=100 + 1000 * i)
+            finally:
+                if loop is not None:
+                    loop.close()
+            del bufs, grouped
     finally:
         if changed:
             config.configure(io_threads=restore)
         os.unlink(path)
     return rows
+
+
+def _mix_rows(cio: Any, workdir: str, path: str, size: int, label: str, target: float,
+              metric: str, against: str, key: str, fsize: int, rd: int, wr: int,
+              seconds: float, slices: int, bufs: list, grouped: np.ndarray,
+              loop: _CeilingLoop | None, skipped: str, have_fio: bool, direct_note: str,
+              seed: int) -> list[dict]:
+    ours = _ours(cio, workdir, size, fsize, rd, seconds, bufs, seed=seed)
+    runs = {"grouped": lambda sec, sd: _ours_grouped(cio, workdir, size, fsize, rd, sec,
+                                                     grouped, sd)}
+    if loop is not None:
+        runs["ceiling"] = lambda sec, sd: loop.run(fsize, rd, sec, sd)
+    if have_fio:
+        runs["fio"] = lambda sec, sd: _fio(path, size, fsize, rd, sec, sd)
+    tot = {name: _rates(r, w, size, dt)
+           for name, (r, w, dt) in _interleaved(runs, slices, seconds, seed + 1).items()}
+    mine, ceil, theirs = tot["grouped"], tot.get("ceiling"), tot.get("fio")
+
+    where = (f"{rd}/{wr} reads/writes, random {label} over {fsize // MiB} MiB, {IN_FLIGHT} "
+             f"in flight, {seconds:g} s; {direct_note}")
+    fio_txt = (f"; fio {theirs['read_iops']:.0f} r + {theirs['write_iops']:.0f} w ops/s"
+               if theirs else "; no fio")
+
+    def ops(res: dict, who: str) -> str:
+        return f"; {who} {res['read_iops']:.0f} r + {res['write_iops']:.0f} w ops/s"
+
+    fio_name, fio_val = ("fio libaio QD32", theirs[key]) if theirs else (None, None)
+    out = [row(f"gamess {rd}/{wr} {label}: EAF async x{IN_FLIGHT}", metric, ours[key],
+               fio_name, fio_val, None,
+               where + ops(ours, "chemio") + fio_txt
+               + "; one request per call, informational (target: grouped)")]
+    note = where + ops(mine, "chemio") + fio_txt
+    note += (f"; {slices} alternating slices with the {CEILING}" if ceil is not None
+             else "; " + skipped) + (" and fio" if theirs else "")
+    if against == "ceiling" and ceil is not None:
+        base_name, base, tgt = f"{CEILING} QD{IN_FLIGHT}", ceil[key], target
+        if theirs and theirs[key]:
+            note += f"; {mine[key] / theirs[key]:.2f}x fio"
+    else:                   # against fio; or the ceiling is missing: fio's figure, no target
+        base_name, base = fio_name, fio_val
+        tgt = target if theirs and against == "fio" else None
+    out.append(row(f"gamess {rd}/{wr} {label}: EAF async {GROUP} per call x{IN_FLIGHT}",
+                   metric, mine[key], base_name, base, tgt, note))
+    if ceil is not None:
+        out.append(row(f"gamess {rd}/{wr} {label}: {CEILING} x{IN_FLIGHT} (ceiling)", metric,
+                       ceil[key], fio_name, fio_val, None,
+                       where + ops(ceil, "loop") + fio_txt
+                       + "; bare ctypes io_submit/io_getevents, no chemio_py code"))
+    return out
 
 
 if __name__ == "__main__":
