@@ -346,7 +346,8 @@ def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int 
     ``size`` elements per block along ``axis`` (default: the chunk extent there, reduced
     so that a block stays under 64 MiB); the last block is shorter when ``size`` does not
     divide the length. ``block`` is a C-contiguous
-    array of the section's shape, a view into one of ``depth + 1`` reused buffers: valid
+    array of the section's shape, one of ``depth + 1`` reused buffers (a view of one for a
+    shorter last block): valid
     until the next step. ``out_dtype`` converts each block (off the consumer's thread).
     Works on any object with ``shape``, ``dtype``, ``chunks`` and
     ``aread(section, out) -> Request``.
@@ -389,23 +390,37 @@ def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int 
     n = shape[ax]
     full = shape[:ax] + (min(size, n),) + shape[ax + 1:]
     count = math.prod(full)
+    full_nbytes = count * dtype.itemsize
+    # a block's section: these slices before and after the one along the axis
+    pre = tuple(slice(0, s) for s in shape[:ax])
+    post = tuple(slice(0, s) for s in shape[ax + 1:])
 
     def make_buffer() -> Any:
-        raw = _ring_array(count, dtype)
-        return (raw, np.empty(count, odt)) if convert else raw
+        # buffers in the shape of a whole block: most steps hand them out as they are
+        raw = _ring_array(count, dtype).reshape(full)
+        return (raw, np.empty(full, odt)) if convert else raw
 
     def start(k: int, buf: Any) -> tuple:
-        stop = min(k + size, n)
-        section = tuple(slice(k, stop) if i == ax else slice(0, s) for i, s in enumerate(shape))
-        bshape = shape[:ax] + (stop - k,) + shape[ax + 1:]
-        cnt = math.prod(bshape)
-        if not convert:
-            view = buf[:cnt].reshape(bshape)
-            req = aread(section, view)
-            return req, None, (section, view), view.nbytes
-        raw, conv = buf
-        rv = raw[:cnt].reshape(bshape)
-        cv = conv[:cnt].reshape(bshape)
+        # runs once per step on the consumer's thread, right after its compute step,
+        # with cold caches: kept short
+        stop = k + size
+        if stop <= n:                                   # a whole block
+            section = pre + (slice(k, stop),) + post
+            if not convert:
+                return aread(section, buf), None, (section, buf), full_nbytes
+            raw, conv = buf
+            rv, cv = raw, conv
+        else:                                           # the last, shorter one
+            stop = n
+            section = pre + (slice(k, stop),) + post
+            bshape = shape[:ax] + (stop - k,) + shape[ax + 1:]
+            cnt = math.prod(bshape)
+            if not convert:
+                view = buf.reshape(-1)[:cnt].reshape(bshape)
+                return aread(section, view), None, (section, view), view.nbytes
+            raw, conv = buf
+            rv = raw.reshape(-1)[:cnt].reshape(bshape)
+            cv = conv.reshape(-1)[:cnt].reshape(bshape)
         inner = aread(section, rv)
         # convert in the thread that completes the read, off the consumer's thread
         req = requests.gather([inner], cv, lambda: np.copyto(cv, rv, casting="unsafe"))

@@ -74,6 +74,27 @@ def test_direct_blocks_match_numpy(tmp_path, monkeypatch, depth, out_dtype):
         d.delete()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_whole_blocks_are_the_ring_buffers(tmp_path, direct):
+    # a step hands out a ring buffer as it is (no view made per step); the last, shorter
+    # block is a view of one; the buffers are 4 KiB-aligned (O_DIRECT's rule)
+    model = np.random.default_rng(8).random((300, 1024))
+    d = _array("oring", model, tmp_path, chunks=(64, 1024))
+    try:
+        d.evict()
+        with iter_blocks(d, size=64, depth=2, direct=direct) as pipe:
+            for section, block in pipe:
+                assert np.array_equal(block, model[section])
+                ring = pipe.buffers()
+                assert len(ring) <= 3 and all(b.shape == (64, 1024) for b in ring)
+                assert all(b.ctypes.data % 4096 == 0 and b.flags.c_contiguous for b in ring)
+                whole = section[0].stop - section[0].start == 64
+                assert any(block is b for b in ring) == whole
+                assert sum(np.shares_memory(block, b) for b in ring) == 1
+    finally:
+        d.delete()
+
+
 def test_direct_default_follows_setting(tmp_path, monkeypatch):
     model = np.random.default_rng(2).random((64, 512))          # 4 KiB rows
     d = _array("oset", model, tmp_path, chunks=(16, 512))
@@ -116,6 +137,33 @@ def test_unaligned_shapes_fall_back(tmp_path, monkeypatch, shape, chunks, size):
         if not aligned:
             # no byte run of these blocks is aligned: none went native
             assert not any(calls[:-(-shape[0] // size)])
+    finally:
+        d.delete()
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_direct_blocks_of_many_runs_match_numpy(tmp_path, monkeypatch, depth):
+    # chunks of one 4 KiB row of the middle axis: a block is 16 aligned runs, read with one
+    # grouped submission; a block of whole rows is one run (a single control block)
+    model = np.random.default_rng(7).random((44, 2, 512))
+    d = _array("oruns", model, tmp_path, chunks=(8, 1, 512))
+    try:
+        if not _direct_ok(d):
+            pytest.skip("no O_DIRECT on the scratch file system")
+        store = d._store
+        buf = cio.aligned_empty((8, 2, 512), np.float64)
+        assert len(store._direct_runs((slice(8, 16), slice(0, 2), slice(0, 512)), buf)[0]) == 16
+        calls = _count_native(d, monkeypatch)
+        d.evict()
+        seen = 0
+        with iter_blocks(d, size=8, depth=depth, direct=True) as pipe:
+            for section, block in pipe:
+                assert np.array_equal(block, model[section])
+                time.sleep(0.0005)                  # reads in flight land elsewhere
+                assert np.array_equal(block, model[section])
+                seen += 1
+        assert seen == 6 and calls == [True] * 6    # the last block: 4 rows, 8 runs
+        assert d.outstanding == 0 and linux_aio.engine().in_flight == 0
     finally:
         d.delete()
 
