@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from typing import Any
 
@@ -490,7 +491,6 @@ class LocalArrayStore(_PosixFile):
         self.shape = layout.shape
         self.chunks = layout.chunks
         self.dtype = np.dtype(dtype if dtype is not None else f"V{layout.itemsize}")
-        import threading
         self._map: Any = None                      # (mmap, uint8 view, address), on demand
         self._map_lock = threading.Lock()
         self._map_write_ok: bool | None = None
@@ -563,7 +563,7 @@ class LocalArrayStore(_PosixFile):
                 n = sum(lens)
                 self._vector_io(write, off, views, n, fd)
                 if fill is not None:
-                    posix.page_tables.add(fill[0], fill[1].addr + off, n)
+                    posix.page_tables.add(fill[1].addr + off, n)
         finally:
             if efd is not None and efd >= 0:
                 os.close(efd)
@@ -613,7 +613,6 @@ class LocalArrayStore(_PosixFile):
         firsts, short = ext
         if len(firsts) < 2:
             return None
-        from bisect import bisect_right
         last = len(firsts) - 1
         out = []
         for off, _, _ in runs:

@@ -14,7 +14,9 @@ import ctypes
 import errno
 import mmap
 import os
+import queue
 import stat as _stat
+import threading
 from typing import Any
 
 import numpy as np
@@ -388,8 +390,9 @@ class PageTableFiller:
     128 MB here; a read that brings pages into the page cache with ``preadv`` hands each
     range over when it has read it, so the filling overlaps the rest of its I/O and a later
     copy from the mapping costs no faults (as a ``numpy.memmap`` is mapped by its first
-    read). ``start()`` a batch, ``add`` ranges to it, ``wait`` for it: nothing is left
-    running when ``wait`` returns. Where the kernel lacks the advice, ``ok`` turns False.
+    read). ``start()`` a batch, ``add`` its ranges, ``wait`` for it: ranges are done in
+    order, so nothing queued before is left running when ``wait`` returns. Where the kernel
+    lacks the advice, ``ok`` turns False.
     """
 
     def __init__(self) -> None:
@@ -400,11 +403,9 @@ class PageTableFiller:
 
     def start(self) -> Any:
         """A new batch (a ``threading.Event`` set when its ranges are done), or None."""
-        import threading
         if not self.ok:
             return None
         if self._pid != os.getpid():            # first use, or a forked child: no thread
-            import queue
             try:
                 libc = ctypes.CDLL(None, use_errno=True)
                 fn = libc.madvise
@@ -418,7 +419,7 @@ class PageTableFiller:
                              name="chemio-io-pagetables").start()
         return threading.Event()
 
-    def add(self, batch: Any, addr: int, nbytes: int) -> None:
+    def add(self, addr: int, nbytes: int) -> None:
         """Queue the pages of ``[addr, addr + nbytes)`` (rounded out to whole pages)."""
         lo = addr - addr % mmap.PAGESIZE
         self._queue.put((lo, -(-(addr + nbytes - lo) // mmap.PAGESIZE) * mmap.PAGESIZE, None))

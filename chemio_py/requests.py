@@ -79,12 +79,7 @@ class Request:
             if self._state != _PENDING:
                 return                  # cancelled before it started
             self._state = _RUNNING
-        try:
-            value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - delivered at wait()
-            self._finish(None, e)
-        else:
-            self._finish(value)
+        self.complete_with(fn, *args)
 
     # -------------------------------------------------------------- public
     def done(self) -> bool:
