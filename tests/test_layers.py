@@ -1,7 +1,8 @@
 """Layers that point one way: who may import whom, read from the source with ``ast``.
 
-* ``config``, ``errors`` and ``ownfiles`` are leaves: they import no chemio module except
-  ``errors`` and ``ownfiles``, neither at module level nor inside functions;
+* ``config``, ``errors``, ``ownfiles`` and ``safejson`` are leaves: they import no chemio
+  module except ``errors``, ``ownfiles`` and ``safejson``, neither at module level nor
+  inside functions;
 * the device layer (``backends/``) never imports the user-level modules above it;
 * the module-level import graph of ``chemio_py`` has no cycle;
 * ``import chemio_py`` loads NumPy and the standard library only.
@@ -32,8 +33,8 @@ comm_mod = importlib.import_module("chemio_py.comm")     # cio.comm is the funct
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"chemio_py": "chemio_py", "backends": "chemio_py.backends"}   # dir -> package
 
-LEAVES = ("chemio_py.config", "chemio_py.errors", "chemio_py.ownfiles")
-LEAF_MAY_IMPORT = {"chemio_py.errors", "chemio_py.ownfiles"}
+LEAVES = ("chemio_py.config", "chemio_py.errors", "chemio_py.ownfiles", "chemio_py.safejson")
+LEAF_MAY_IMPORT = {"chemio_py.errors", "chemio_py.ownfiles", "chemio_py.safejson"}
 ABOVE_BACKENDS = ("diskarray", "exclusive", "shared", "records", "prefetch", "interop",
                   "bytefile", "check", "cli")
 HEAVY = ("mpi4py", "dask", "h5py", "zarr")
