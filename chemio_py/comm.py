@@ -15,8 +15,8 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from . import config
-from .errors import ArgumentError, ChemIOError, CollectiveError
+from . import config, rankguard
+from .errors import ArgumentError, ChemIOError, CollectiveError, CollectiveMismatchError
 
 # Variables that MPI launchers (hydra/MPICH, Open MPI, PMIx, MVAPICH, Cray ALPS) set per rank.
 LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
@@ -44,6 +44,27 @@ class Comm:
     def allreduce(self, value: Any, op: str = "sum") -> Any:
         _check_op(op)
         return value
+
+    def begin(self, call: str) -> None:
+        """Collective: start the collective call named ``call`` (``"DiskArray 'x'
+        write_all()"``). Every rank must begin the same calls in the same order; under MPI a
+        rank in another call, or one that has left, makes every rank raise
+        ``CollectiveMismatchError`` instead of waiting (see ``chemio_py.rankguard``)."""
+
+    @property
+    def broken(self) -> str | None:
+        """Why this communicator takes no further chemio collective call (None: it does)."""
+        return None
+
+    @property
+    def calls_made(self) -> int:
+        """Collective calls begun on this communicator (its sequence number)."""
+        return 0
+
+    def out_of_step(self, where: list[tuple[int, str]]) -> CollectiveMismatchError:
+        """The error for ranks found in different steps (``where[rank] = (seq, step)``);
+        the communicator takes no further chemio collective call."""
+        return CollectiveMismatchError(rankguard.mismatch_message(where)[0], {})
 
     def agree(self, what: str) -> "_Agreement":
         """Context manager for work that one rank may fail alone.
@@ -90,6 +111,24 @@ class MPIComm(Comm):
         self.mpi = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        self._calls = rankguard.sequence(mpi_comm) if self.size > 1 else None
+
+    def begin(self, call: str) -> None:
+        if self._calls is not None:
+            self._calls.enter(call)
+
+    @property
+    def broken(self) -> str | None:
+        return None if self._calls is None else self._calls.broken
+
+    @property
+    def calls_made(self) -> int:
+        return 0 if self._calls is None else self._calls.count
+
+    def out_of_step(self, where: list[tuple[int, str]]) -> CollectiveMismatchError:
+        if self._calls is None:
+            return super().out_of_step(where)
+        return self._calls.out_of_step(where)
 
     def barrier(self) -> None:
         self.mpi.Barrier()
@@ -123,7 +162,11 @@ class _Agreement:
         if self.comm.size == 1:
             return False
         mine = None if exc is None else f"{type(exc).__name__}: {exc}"
-        failures = {r: m for r, m in enumerate(self.comm.allgather(mine)) if m is not None}
+        here = (self.comm.calls_made, self.what)
+        got = self.comm.allgather((here, mine))
+        if any(h != here for h, _ in got):
+            raise self.comm.out_of_step([h for h, _ in got])
+        failures = {r: m for r, (_, m) in enumerate(got) if m is not None}
         if not failures or exc is not None:
             return False
         raise CollectiveError(self.what, failures)

@@ -182,6 +182,30 @@ class CollectiveError(ChemIOError):
         super().__init__(f"{what} failed on {len(self.failures)} rank(s): {lines}")
 
 
+class CollectiveMismatchError(CollectiveError):
+    """The ranks of a communicator are not in the same collective call: one skipped a call,
+    called another, or left (its interpreter is exiting). ``where`` maps each call (its
+    name and sequence number on the communicator) to the ranks in it. Raised on every rank;
+    the communicator takes no further chemio collective call afterwards."""
+
+    def __init__(self, message: str, where: dict[tuple[int, str], list[int]]):
+        self.where = dict(where)
+        self.what = message
+        self.failures = {}
+        ChemIOError.__init__(self, message)
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """Ranks did not arrive at a collective call within ``collective_timeout`` seconds;
+    ``missing`` lists them when rank 0's roll call could tell (else None)."""
+
+    def __init__(self, message: str, missing: list[int] | None):
+        self.missing = None if missing is None else list(missing)
+        self.what = message
+        self.failures = {}
+        ChemIOError.__init__(self, message)
+
+
 class PointerBufferError(ArgumentError):
     """A buffer whose items are pointers (NumPy object arrays) was given for file I/O."""
 
@@ -207,6 +231,7 @@ __all__ = [
     "OutOfSpaceError", "UnobservedIOError", "SupersededError",
     "EndOfFileError", "SectionError",
     "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
-    "BackendUnavailableError", "CollectiveError", "NotSharedError", "SyncError",
+    "BackendUnavailableError", "CollectiveError", "CollectiveMismatchError",
+    "CollectiveTimeoutError", "NotSharedError", "SyncError",
     "SpillWarning",
 ]

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Self
 
 from .comm import Comm, resolve as _resolve_comm
-from .errors import ArgumentError, SyncError
+from .errors import ArgumentError, LimitExceededError, SyncError
 
 IMPLEMENTATIONS = ("serial", "mpi4py", "rma")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -86,6 +86,7 @@ class _Collective:
                check: Callable[[], Any] = lambda: None) -> tuple[Comm, str, Any]:
         """Check the arguments on every rank (a failure anywhere raises everywhere)."""
         c = _resolve_comm(comm)
+        c.begin(f"sync.{type(self).__name__}()")
         with c.agree(f"sync.{type(self).__name__}() creation"):
             checked = check()
             kind = _choose(c, impl)
@@ -104,7 +105,9 @@ class _Collective:
         if self._freed:
             return
         self._freed = True
-        self._free()
+        if self.comm.broken is None:
+            self.comm.begin(f"sync.{type(self).__name__}.free()")
+            self._free()
 
     close = free
 
@@ -150,11 +153,20 @@ class Counter(_Collective):
         with self._tlock:
             if self.impl == "serial":
                 prev = self._value
+                if not _INT64[0] <= prev + n <= _INT64[1]:
+                    raise self._overflow(prev, n)
                 self._value += n
                 return prev
             if self.impl == "mpi4py":
                 return int(self._mc.next(n))
             return _rma_fetch_op(self._win, n, "SUM")
+
+    @staticmethod
+    def _overflow(prev: int, n: int) -> LimitExceededError:
+        return LimitExceededError(
+            f"Counter at {prev} cannot add {n}: the value would leave the signed 64-bit range "
+            f"[-2**63, 2**63-1] (the MPI counter is a 64-bit word); nothing was added. Start "
+            f"the counter lower or keep steps smaller")
 
     def _free(self) -> None:
         if self.impl == "mpi4py":

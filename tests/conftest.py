@@ -152,18 +152,58 @@ def mpiexec_path() -> str:
 
 
 def run_mpi(n: int, body: str, *, tmp_path, timeout: float = 180, env: dict | None = None,
-            check: bool = True, args: list[str] | None = None) -> subprocess.CompletedProcess:
+            check: bool = True, args: list[str] | None = None,
+            plain: bool = False) -> subprocess.CompletedProcess:
+    """Run ``body`` on ``n`` ranks under ``python -m mpi4py`` (or plain ``python`` with
+    ``plain``, as most users launch: then only chemio_py keeps a failing rank from hanging
+    the others)."""
     script = tmp_path / f"mpi_body_{n}.py"
     script.write_text(textwrap.dedent(body))
     full_env = dict(os.environ)
     full_env.update(env or {})
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script)] + (args or [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=str(tmp_path))
+    runner = [sys.executable] if plain else [sys.executable, "-m", "mpi4py"]
+    cmd = [mpiexec_path(), "-n", str(n), *runner, str(script)] + (args or [])
+    segments_before = _mpich_segments()
+    ended = False
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=str(tmp_path))
+        ended = proc.returncode == 0
+    finally:
+        if not ended:                   # an aborted job's ranks were SIGKILLed by hydra
+            reap_orphan_mpich_segments(segments_before)
     if check and proc.returncode != 0:
         pytest.fail(f"mpiexec -n {n} failed ({proc.returncode})\n--- stdout\n{proc.stdout}"
                     f"\n--- stderr\n{proc.stderr}")
     return proc
+
+
+def _mpich_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def reap_orphan_mpich_segments(before: set[str]) -> None:
+    """Remove MPICH shared-memory segments that appeared since ``before`` and that no live
+    process maps: a job ended by MPI_Abort is SIGKILLed by hydra, which leaves them."""
+    new = _mpich_segments() - before
+    if not new:
+        return
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as fh:
+                    mapped.update(n for n in new if n in fh.read())
+            except OSError:
+                pass
+    for name in new - mapped:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
 
 
 def run_on_tty(argv: list[str], *, columns: int = 120, timeout: float = 120,
