@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from chemio_py.boxes import Cells, concat_ranges, shared_cells
+
 ROUND_BYTES = 256 << 20          # received bytes per owner and round (at most)
 _COUNT_LIMIT = (1 << 31) - 1
 
@@ -62,36 +64,63 @@ def object_box(index: tuple, chunks: tuple, shape: tuple) -> Box:
 
 def contested_objects(boxes: list, chunks: tuple, shape: tuple, itemsize: int,
                       round_bytes: int = ROUND_BYTES) -> list[Contested]:
-    """The objects touched by more than one rank, in C order of their index, with owners."""
-    cbox = {}
-    for r, b in enumerate(boxes):
-        if b is not None:
-            cbox[r] = (tuple(l // c for l, c in zip(b[0], chunks)),
-                       tuple(-(-h // c) for h, c in zip(b[1], chunks)))
-    touched: dict[tuple, set] = {}
-    ranks = sorted(cbox)
-    for i, r in enumerate(ranks):
-        for s in ranks[i + 1:]:
-            ov = _overlap(cbox[r], cbox[s])
-            if ov is None:
-                continue
-            for idx in itertools.product(*(range(l, h) for l, h in zip(*ov))):
-                touched.setdefault(idx, set()).update((r, s))
+    """The objects touched by more than one rank, in C order of their index, with owners.
+
+    The ranks' ranges of objects go through ``chemio_py.boxes.shared_cells`` (sort and sweep),
+    so the work is O(P log P) when no object is contested and grows with the number of
+    (rank, contested object) pairs otherwise; no step compares all pairs of ranks."""
+    ranks = np.array([r for r, b in enumerate(boxes) if b is not None], np.int64)
+    if len(ranks) < 2:
+        return []
+    chain = itertools.chain.from_iterable
+    given = np.fromiter(chain(chain(b) for b in boxes if b is not None), np.int64,
+                        count=2 * len(chunks) * len(ranks)).reshape(len(ranks), 2, len(chunks))
+    lo, hi = given[:, 0], given[:, 1]
+    grid = np.array(chunks, np.int64)
+    index, obj, member = _incidences(shared_cells(lo // grid, -(-hi // grid)))
+    first = index[obj] * grid
+    last = np.minimum(first + grid, np.array(shape, np.int64))
+    inside = np.minimum(hi[member], last) - np.maximum(lo[member], first)
+    count = np.clip(inside, 0, None).prod(axis=1)
+    keep = count > 0
+    keep &= np.bincount(obj[keep], minlength=len(index))[obj] >= 2
+    obj, rank, count = obj[keep], ranks[member[keep]], count[keep]
+    if len(obj) == 0:
+        return []
+    starts = np.flatnonzero(np.diff(obj, prepend=-1))
+    nbytes = count * itemsize
+    at_owner = np.lexsort((rank, -count, obj))[starts]
+    sent = np.add.reduceat(nbytes, starts) - nbytes[at_owner]
+    parts = np.maximum(1, -(-sent // _cap(round_bytes, len(boxes))))
+    bounds = starts.tolist() + [len(obj)]
+    indices, objs, ranks_l, nbytes_l = index.tolist(), obj.tolist(), rank.tolist(), nbytes.tolist()
     out = []
-    cap = _cap(round_bytes, len(boxes))
-    for idx in sorted(touched):
-        ob = object_box(idx, chunks, shape)
-        counts = {r: _count(_overlap(ob, boxes[r])) for r in sorted(touched[idx])}
-        counts = {r: n for r, n in counts.items() if n}
-        if len(counts) < 2:
-            continue
-        owner = max(counts, key=lambda r: (counts[r], -r))
-        senders = [r for r in counts if r != owner]
-        nbytes = {r: counts[r] * itemsize for r in counts}
-        total = sum(nbytes[r] for r in senders)
-        out.append(Contested(idx, owner, senders, nbytes, max(1, -(-total // cap)),
-                             sorted(counts)))
+    for a, b, owner, k in zip(bounds, bounds[1:], rank[at_owner].tolist(), parts.tolist()):
+        touchers = ranks_l[a:b]
+        out.append(Contested(tuple(indices[objs[a]]), owner, [r for r in touchers if r != owner],
+                             dict(zip(touchers, nbytes_l[a:b])), k, touchers))
     return out
+
+
+def _incidences(cells: Cells) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(index, obj, member)``: the objects of ``cells``, ``(N, ndim)`` in C order, and per
+    (object, covering box) pair the object's row in ``index`` and the box, grouped by object,
+    boxes ascending."""
+    extent = cells.hi - cells.lo
+    size = extent.prod(axis=1)
+    cell = np.repeat(np.arange(len(size)), size)
+    rest = concat_ranges(np.zeros_like(size), size)
+    index = np.empty((len(cell), extent.shape[1]), np.int64)
+    for k in reversed(range(extent.shape[1])):
+        along = extent[cell, k]
+        index[:, k] = cells.lo[cell, k] + rest % along
+        rest //= along
+    if extent.shape[1]:
+        order = np.lexsort(index.T[::-1])
+        index, cell = index[order], cell[order]
+    many = cells.start[cell + 1] - cells.start[cell]
+    obj = np.repeat(np.arange(len(cell)), many)
+    return index, obj, cells.members[concat_ranges(cells.start[cell], many)]
 
 
 def _cap(round_bytes: int, nranks: int) -> int:
@@ -177,7 +206,8 @@ def exchange(comm: Any, region: tuple, data: np.ndarray, chunks: tuple, shape: t
                     recv[s].append((o, lo, hi))
         scounts = [sum(v.nbytes for v in send[d]) for d in range(nranks)]
         rcounts = [sum(hi - lo for _, lo, hi in recv[s]) for s in range(nranks)]
-        sbuf = np.concatenate(sum(send, [])) if any(scounts) else np.zeros(1, np.uint8)
+        sbuf = (np.concatenate(list(itertools.chain.from_iterable(send))) if any(scounts)
+                else np.zeros(1, np.uint8))
         rbuf = np.empty(max(1, sum(rcounts)), np.uint8)
         sd = np.concatenate(([0], np.cumsum(scounts)[:-1])).astype(np.int64)
         rd = np.concatenate(([0], np.cumsum(rcounts)[:-1])).astype(np.int64)
