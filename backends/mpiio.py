@@ -4,12 +4,14 @@ Byte files are one ``MPI.File`` (on ``COMM_SELF`` for a private file, on the com
 of a SharedFile); arrays keep the raw chunk-grid format of ``local`` (``chemio_py.layout``),
 so a ``.dra`` written by one backend opens with the other, byte for byte.
 
-What MPI-IO does not do well, the backend does with POSIX on the side (each rank keeps an
-``os`` descriptor of the file): files are created by rank 0 with ``O_CREAT|O_EXCL|
-O_NOFOLLOW`` and mode 0600 (MPI's ``file_perm`` hint is ignored and its modes have no
-no-follow or truncate) and MPI-opened without ``MODE_CREATE``; space is reserved with
-``fallocate`` (``File.Preallocate`` in ROMIO rewrites the whole range); ``flush`` is a
-rank-local ``fdatasync``; ``size`` a rank-local ``fstat``.
+What MPI-IO does not do well, the backend does with POSIX on the side (an ``os``
+descriptor of the file beside the MPI handles: every rank's for a byte file; for an array
+rank 0's, which checked the file for all, and the others' opened by their first
+``flush``): files are created by rank 0 with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and mode 0600
+(MPI's ``file_perm`` hint is ignored and its modes have no no-follow or truncate) and
+MPI-opened without ``MODE_CREATE``; space is reserved with ``fallocate``
+(``File.Preallocate`` in ROMIO rewrites the whole range); ``flush`` is a rank-local
+``fdatasync``; ``size`` a rank-local ``fstat``.
 
 Semantics (a ``SharedFile`` on ``mpiio``): every rank reads and writes independently with
 explicit offsets; what a rank wrote is visible to another rank after the writer's
@@ -632,35 +634,62 @@ class MpiioArrayStore(_MpiStore):
     ``read``/``write`` are independent: one ``Read_at``/``Write_at`` per region through a
     file view of its pieces and a memory type over the caller's (possibly strided) buffer,
     on a ``COMM_SELF`` handle (views are per handle: calls of several threads take turns,
-    which MPICH imposes anyway). ``read_all``/``write_all`` are collective
-    (``Read_at_all``/``Write_at_all`` at explicit offset 0 of a per-call view, on a handle
-    opened on the array's communicator); a rank with an empty region takes part with a
-    count of 0. Every derived datatype is freed after its call.
+    which MPICH imposes anyway), opened on this rank's first independent call: a rank
+    that only reads and writes collectively never opens it. ``read_all``/``write_all`` are
+    collective (``Read_at_all``/``Write_at_all`` at explicit offset 0 of a per-call view,
+    on a handle opened on the array's communicator); a rank with an empty region takes
+    part with a count of 0. Every derived datatype is freed after its call. The ``os``
+    descriptor ``flush`` needs is opened on first use too (rank 0 keeps the one it
+    checked the file with).
     """
 
     byte_addressable = True
     collective = True
     write_streams = 1
 
-    def __init__(self, path: str, fd: int, fi: Any, fc: Any, writable: bool, layout: Any,
+    def __init__(self, path: str, fd: int, fc: Any, writable: bool, layout: Any,
                  dtype: Any, comm: Any, mpi_comm: Any):
         MPI = _mpi()
         self.path = path
-        self._fd = fd
-        self._fi = fi                   # independent I/O (COMM_SELF)
+        self._fd = fd                   # -1 until flush needs it (rank 0: from the open)
         self._fc = fc                   # collective I/O (the array's communicator)
+        self._private = mpi_comm == MPI.COMM_SELF
+        # independent I/O (COMM_SELF): the same handle for a private store, else opened
+        # by this rank's first read/write
+        self._fi: Any = fc if self._private else None
         self.writable = writable
         self.layout = layout
         self.shape = layout.shape
         self.chunks = layout.chunks
         self.dtype = np.dtype(dtype)
         self._comm = comm
-        self._private = mpi_comm == MPI.COMM_SELF
         self._lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
-        return self._fi is None
+        return self._fc is None
+
+    @property
+    def independent_open(self) -> bool:
+        """Whether this rank opened a ``COMM_SELF`` handle of its own for independent I/O
+        (a diagnostic: never, for a store used only collectively)."""
+        return self._fi is not None and self._fi is not self._fc
+
+    def _independent_handle(self, op: str) -> Any:
+        """This rank's ``COMM_SELF`` handle, opened on first use (call with the lock held)."""
+        if self._fc is None:
+            raise StorageError(errno.EBADF, self.path, None, None, op, "the store is closed")
+        if self._fi is None:
+            MPI = _mpi()
+            info = _info()
+            try:
+                self._fi = MPI.File.Open(MPI.COMM_SELF, self.path, MPI.MODE_RDWR
+                                         if self.writable else MPI.MODE_RDONLY, info)
+            except MPI.Exception as e:
+                raise mpi_error(e, self.path, None, None, "MPI-IO open") from e
+            finally:
+                info.Free()
+        return self._fi
 
     def _check(self, region: Any, arr: np.ndarray, write: bool) -> None:
         if write and not self.writable:
@@ -698,10 +727,7 @@ class MpiioArrayStore(_MpiStore):
         st = MPI.Status()
         try:
             with self._lock:
-                fh = self._fi
-                if fh is None:
-                    raise StorageError(errno.EBADF, self.path, None, None,
-                                       "write" if write else "read", "the store is closed")
+                fh = self._independent_handle("write" if write else "read")
                 try:
                     fh.Set_view(0, MPI.BYTE, types.filetype)
                     if write:
@@ -780,23 +806,27 @@ class MpiioArrayStore(_MpiStore):
 
     def flush(self) -> None:
         """Make this rank's writes durable (``fdatasync``; rank-local)."""
-        if not self.writable or self._fd < 0:
+        if not self.writable or self._fc is None:
             return
+        with self._lock:
+            if self._fd < 0:
+                self._fd = _open_fd(self.path, "r+")
+            fd = self._fd
         try:
-            os.fdatasync(self._fd)
+            os.fdatasync(fd)
         except OSError as e:
             raise StorageError(e.errno, self.path, None, None, "flush") from e
 
     def close(self) -> None:
         """Collective over the array's communicator; idempotent."""
-        if self._fi is None:
+        if self._fc is None:
             return
         with self._lock:
             fi, fc, self._fi, self._fc = self._fi, self._fc, None, None
         err = None
         if _mpi_alive():
             MPI = _mpi()
-            for fh in (fc, fi) if fc is not fi else (fi,):
+            for fh in (fc, fi) if fi is not None and fi is not fc else (fc,):
                 try:
                     fh.Close()
                 except MPI.Exception as e:
@@ -807,15 +837,16 @@ class MpiioArrayStore(_MpiStore):
 
     def close_local(self) -> None:
         """Release this rank's resources without any collective call (see the module)."""
-        if self._fi is None:
+        if self._fc is None:
             return
         with self._lock:
             fi, fc, self._fi, self._fc = self._fi, self._fc, None, None
         if _mpi_alive():
-            try:
-                fi.Close()                  # on COMM_SELF: a local call
-            except Exception:
-                pass
+            if fi is not None:
+                try:
+                    fi.Close()              # on COMM_SELF: a local call
+                except Exception:
+                    pass
             if fc is not fi:                # on the array's communicator: left open
                 _warn_collective_leak(self.path)
         self._close_fd()
@@ -879,29 +910,27 @@ class MpiioBackend(ScratchPlaces):
         layout = Layout(shape, chunks, dt.itemsize)
         c, mc = _comms(comm)
         create = mode in ("w+", "x+")
-        made = False
-        with c.agree(f"create array {path}"):
-            if c.rank == 0 and create:
-                _create_array(path, mode, layout, perms, reserve)
-                made = True
         fd = -1
-        fi = fc = None
+        made = False
         try:
+            with c.agree(f"create array {path}"):
+                if c.rank == 0 and create:
+                    fd = _create_array(path, mode, layout, perms, reserve)
+                    made = True
+            # Rank 0 alone checks the file for every rank (a regular file, no link, of
+            # the array's size): one open per array, not one per rank.
             with c.agree(f"open array {path}"):
-                fd = _open_fd(path, mode)
-                size = os.fstat(fd).st_size
-                if size != layout.nbytes:
-                    raise MetadataError(
-                        f"data file {path!r} has {size} bytes but the array's metadata "
-                        f"(shape {layout.shape}, {dt}) needs {layout.nbytes}; the file was "
-                        f"truncated or belongs to another array: restore it or recreate "
-                        f"the array")
-            fi = _mpi_open(c, _mpi().COMM_SELF, path, mode != "r") if mc != _mpi().COMM_SELF \
-                else None
+                if c.rank == 0 and fd < 0:
+                    fd = _open_fd(path, mode)
+                    size = os.fstat(fd).st_size
+                    if size != layout.nbytes:
+                        raise MetadataError(
+                            f"data file {path!r} has {size} bytes but the array's metadata "
+                            f"(shape {layout.shape}, {dt}) needs {layout.nbytes}; the file "
+                            f"was truncated or belongs to another array: restore it or "
+                            f"recreate the array")
             fc = _mpi_open(c, mc, path, mode != "r")
         except BaseException:
-            if fi is not None:
-                fi.Close()
             if fd >= 0:
                 os.close(fd)
             if made:
@@ -910,12 +939,12 @@ class MpiioBackend(ScratchPlaces):
                 except OSError:
                     pass
             raise
-        return MpiioArrayStore(path, fd, fi if fi is not None else fc, fc, mode != "r",
-                               layout, dt, c, mc)
+        return MpiioArrayStore(path, fd, fc, mode != "r", layout, dt, c, mc)
 
 
-def _create_array(path: str, mode: str, layout: Any, perms: int, reserve: bool) -> None:
-    """Rank 0's part of creating an array: the file at its full size, space reserved."""
+def _create_array(path: str, mode: str, layout: Any, perms: int, reserve: bool) -> int:
+    """Rank 0's part of creating an array: the file at its full size, space reserved;
+    returns its descriptor (open read-write)."""
     have = 0
     try:
         have = os.stat(path, follow_symlinks=False).st_blocks * 512
@@ -940,4 +969,4 @@ def _create_array(path: str, mode: str, layout: Any, perms: int, reserve: bool) 
         except OSError:
             pass
         raise
-    os.close(fd)
+    return fd

@@ -6,7 +6,9 @@ clearing the way for a new one; preallocating blocks without changing the size
 (``fallocate`` with ``FALLOC_FL_KEEP_SIZE``); buffers and their byte views (``aligned_empty``
 for O_DIRECT, flat views of strided arrays, the sieve buffer for skipped holes); page-cache
 residency (``mincore``) and copies by the kernel (``process_vm_readv``/``writev``), which
-stop short instead of raising SIGBUS when a mapped file shrank.
+stop short instead of raising SIGBUS when a mapped file shrank; the file-system type of a
+descriptor (one ``fstatfs``); removal of directory trees relative to directory descriptors
+(``clear_dir``: one ``unlinkat`` per file, never through a link).
 """
 from __future__ import annotations
 
@@ -106,6 +108,143 @@ def _fallocate_keep_size(fd: int, n: int) -> int:
     if fn is None:
         return errno.ENOSYS
     return 0 if fn(fd, FALLOC_FL_KEEP_SIZE, 0, n) == 0 else ctypes.get_errno()
+
+
+# ---------------------------------------------------------------- file systems
+
+# f_type of fstatfs(2) (linux/magic.h) -> the name /proc/self/mounts gives the type
+# (ext2, ext3 and ext4 share one magic number).
+FS_MAGIC = {0xEF53: "ext4", 0x58465342: "xfs", 0x01021994: "tmpfs", 0x9123683E: "btrfs",
+            0x6969: "nfs", 0x0BD00BD0: "lustre", 0x47504653: "gpfs", 0x2FC12FC1: "zfs",
+            0x19830326: "beegfs", 0x00C36400: "ceph", 0xAAD7AAEA: "panfs",
+            0x794C7630: "overlay", 0x65735546: "fuse", 0x858458F6: "ramfs",
+            0xFF534D42: "cifs", 0xFE534D42: "smb2", 0xF2F52010: "f2fs"}
+_fstatfs_fn: list[Any] = []
+
+
+def fs_type(fd: int) -> str | None:
+    """The type of the file system holding the open descriptor ``fd`` (``"ext4"``,
+    ``"xfs"``, ``"tmpfs"``, ``"lustre"``..., ``"0x<magic>"`` for one not in ``FS_MAGIC``)
+    from one ``fstatfs`` call: no path lookup, no mount table. None where ``fstatfs`` is
+    not available through ctypes (the caller falls back to ``scratch.fstype(path)``)."""
+    if not _fstatfs_fn:
+        fn = None
+        try:
+            if os.uname().sysname == "Linux" and ctypes.sizeof(ctypes.c_long) == 8:
+                fn = ctypes.CDLL(None, use_errno=True).fstatfs
+                fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _fstatfs_fn.append(fn)
+    fn = _fstatfs_fn[0]
+    if fn is None:
+        return None
+    buf = (ctypes.c_long * 32)()        # struct statfs: 120 bytes on 64-bit Linux, f_type first
+    if fn(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    magic = buf[0] & 0xFFFFFFFF
+    return FS_MAGIC.get(magic, f"0x{magic:x}")
+
+
+# ---------------------------------------------------------------- removing directory trees
+#
+# Relative to open directory descriptors (``unlinkat``/``openat``): one system call per
+# file, no stat per entry (getdents gives its type), never through a symbolic link (a link
+# is removed itself, never followed), nothing outside the directory it starts from.
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_entry_at(dir_fd: int | None, name: str, where: str, failures: list) -> None:
+    """Remove entry ``name`` of the open directory ``dir_fd`` (None: a path relative to
+    the working directory; ``where``: the directory's path, for errors): a file or link
+    with one ``unlinkat``, a real directory with all it holds. An entry already gone is
+    fine; every other failure is appended to ``failures`` as ``(path, OSError)`` and the
+    rest goes on."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:       # Linux says EISDIR for a directory
+        pass
+    except OSError as e:
+        if e.errno != errno.EPERM:  # POSIX allows EPERM for a directory: look first
+            failures.append((os.path.join(where, name), e))
+            return
+        try:
+            if not _stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode):
+                failures.append((os.path.join(where, name), e))
+                return
+        except OSError:
+            failures.append((os.path.join(where, name), e))
+            return
+    remove_dir_at(dir_fd, name, where, failures)
+
+
+def remove_dir_at(dir_fd: int | None, name: str, where: str, failures: list) -> None:
+    """Remove the directory ``name`` of ``dir_fd`` with everything in it (see
+    ``remove_entry_at``); a link or file found there instead is removed itself."""
+    path = os.path.join(where, name)
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            failures.append((path, e))
+            return
+        try:                        # a link (never followed) or a file: the entry goes
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e2:
+            failures.append((path, e2))
+        return
+    try:
+        clear_dir(fd, path, failures)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        failures.append((path, e))
+
+
+def clear_dir(fd: int, where: str, failures: list, keep: Any = None) -> None:
+    """Remove every entry of the open directory ``fd`` (path ``where``), directories with
+    all they hold, except names ``keep(name)`` is true for; failures as ``remove_entry_at``."""
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    except OSError as e:
+        failures.append((where, e))
+        return
+    for name, is_dir in entries:
+        if keep is not None and keep(name):
+            continue
+        try:
+            if is_dir:
+                remove_dir_at(fd, name, where, failures)
+            else:
+                remove_entry_at(fd, name, where, failures)
+        except RecursionError as e:    # a hostile tree thousands of levels deep
+            failures.append((os.path.join(where, name), OSError(errno.ELOOP, str(e))))
+
+
+def removal_error(path: str, failures: list, what: str) -> StorageError:
+    """The error of a removal of ``path`` that left ``failures`` (``(path, OSError)``):
+    the errno and path of the first, how many there were."""
+    p, err = failures[0]
+    code = getattr(err, "errno", None) or errno.EIO
+    more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+    return StorageError(code, p, None, None, what,
+                        f"{getattr(err, 'strerror', None) or err}{more}; the rest of "
+                        f"{path!r} was removed, nothing outside it was touched")
 
 
 # ---------------------------------------------------------------- buffers
