@@ -14,18 +14,21 @@ A backend owns bytes, never user semantics. It is an object registered by name t
 * an **ArrayStore** (for DiskArray): ``read(region, out)``, ``write(region, data)`` and the
   collective ``read_all`` / ``write_all``.
 
-and answers ``stat(path)`` (an ``FsInfo``) and ``remove(path)``. Backends are found by name
-in the built-in table below, then in the entry-point group ``chemio_py.backends`` (a third
-party registers ``name = "package.module:BackendClass"``), and can be added at run time
-with ``register(name, factory)``.
+and answers ``stat(path)`` (an ``FsInfo``) and ``remove(path)`` (a backend whose objects
+are many files may add the collective ``remove_all(path, comm)``: ``CollectiveRemove``).
+Backends are found by name in the built-in table below, then in the entry-point group
+``chemio_py.backends`` (a third party registers ``name = "package.module:BackendClass"``),
+and can be added at run time with ``register(name, factory)``.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Tuple, runtime_checkable
 
+from chemio_py import config
 from chemio_py.errors import BackendUnavailableError
 
 ENTRY_POINT_GROUP = "chemio_py.backends"
@@ -221,6 +224,25 @@ class CollectiveOpen(Protocol):
 
 
 @runtime_checkable
+class CollectiveRemove(Protocol):
+    """A backend whose objects are many files (``zarr``: a directory tree of storage
+    objects) that the ranks of a communicator remove together, each a share, instead of
+    one rank removing every file while the others wait.
+    """
+
+    def remove_all(self, path: str, comm: Any) -> bool:
+        """The collective form of ``Backend.remove``: every rank of ``comm`` (a
+        ``chemio_py.comm.Comm``; None: this process alone, as ``remove``) calls it at the
+        same time with the same ``path``. Each rank removes its share of the object's
+        files, the ranks meet once, then rank 0 removes what is left (directories,
+        metadata, and whatever another rank could not remove). Nothing outside ``path`` is
+        removed and no link is followed; a file that cannot be removed does not stop the
+        rest. Returns whether the object existed, on every rank, or raises on every rank
+        (rank 0 a ``StorageError`` naming the first path that could not be removed, with
+        its errno; the others ``CollectiveError``)."""
+
+
+@runtime_checkable
 class SelfDescribing(Protocol):
     """An array backend whose on-disk object carries its own metadata (``zarr``): the user
     layer writes no ``<data>.json`` beside it, passes its metadata document to
@@ -235,6 +257,12 @@ class SelfDescribing(Protocol):
         checking the backend's own metadata as untrusted input (``MetadataError``)."""
     def recognizes(self, path: str) -> bool:
         """True when ``path`` holds an array of this backend's format (cheap; no errors)."""
+
+
+def removes_together(backend: Any, comm: Any) -> bool:
+    """Whether the ranks of ``comm`` remove ``backend``'s objects together
+    (``CollectiveRemove.remove_all``) rather than rank 0 alone (``remove``)."""
+    return comm is not None and comm.size > 1 and isinstance(backend, CollectiveRemove)
 
 
 def is_collective(backend: Any) -> bool:
@@ -353,6 +381,7 @@ def register(name: str, factory: Callable[[], Any], replace: bool = False) -> No
             raise ValueError(f"backend {name!r} is already registered; pass replace=True")
         _factories[name] = factory
         _instances.pop(name, None)
+    config.set_choices("backend", names)        # settings naming it are valid from now on
 
 
 def unregister(name: str) -> None:
@@ -360,6 +389,7 @@ def unregister(name: str) -> None:
     with _lock:
         _factories.pop(name, None)
         _instances.pop(name, None)
+    config.set_choices("backend", names)
 
 
 def _load(target: str) -> Any:
@@ -367,7 +397,10 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(mod), attr)
 
 
+@functools.lru_cache(maxsize=1)
 def _entry_points() -> dict[str, Any]:
+    """Installed plug-in backends, read once per process (a scan of every installed
+    distribution costs tens of milliseconds; ``register()`` adds backends at run time)."""
     from importlib.metadata import entry_points
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -380,6 +413,9 @@ def names() -> list[str]:
     except Exception:
         pass
     return sorted(found)
+
+
+config.set_choices("backend", names)            # backend settings must name one of these
 
 
 def resolve(name: str) -> Any:

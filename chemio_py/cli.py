@@ -1,9 +1,16 @@
-"""The ``chemio`` command: info, config, clean, demo, bench."""
+"""The ``chemio`` command: info, config, clean, check, ls, trace, demo, bench.
+
+Results go to stdout, problems to stderr. When the reader of stdout stops early
+(``chemio info | head -1``) the command ends quietly, without a traceback or an error line,
+with status 141 (128 + SIGPIPE): what git, cat and the other Unix tools report there, so a
+script under ``set -o pipefail`` tells an early close from a failure (1) and a usage error (2).
+"""
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import select
 import sys
 import time
 from typing import Any, Sequence
@@ -52,24 +59,44 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setting_line(s: config.Setting, note: str = "") -> str:
+    width = max(map(len, config.SPECS))
+    return f"  {s.name:{width}s} = {s.value!r:30s} ({s.source}){note}"
+
+
 def _print_settings() -> None:
     for s in config.settings().values():
-        print(f"  {s.name:15s} = {s.value!r:30s} ({s.source})")
+        print(_setting_line(s))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(f"config file: {config.config_path() or '(none)'}")
-    _print_settings()
-    rules = config.file_rules()
-    if rules:
-        print("\nper-name rules:")
-        for pattern, values, source in rules:
-            print(f"  {pattern!r}: {values}  ({source})")
-    if args.names:
-        print("\nbackend by name:")
-        for n in args.names:
-            s = config.backend_for(n)
-            print(f"  {n:24s} -> {s.value:8s} ({s.source})")
+    """Every setting with its source, the per-name rules and the backend of each NAME; then
+    every problem of the settings (on stderr). ``--check`` prints only the verdict. Exit 1
+    when anything is wrong (a bad value, file, rule or directory), else 0."""
+    found = config.survey()
+    if not args.check:
+        print(f"config file: {found.config_file or '(none)'}")
+        for s in found.settings.values():
+            print(_setting_line(s, "  INVALID (see below)" if s.name in found.invalid else ""))
+        if found.rules:
+            print("\nper-name rules:")
+            for pattern, values, source in found.rules:
+                print(f"  {pattern!r}: {values}  ({source})")
+        if args.names and not found.problems:
+            print("\nbackend by name:")
+            for n in args.names:
+                s = config.backend_for(n)
+                print(f"  {n:24s} -> {s.value:8s} ({s.source})")
+    if found.problems:
+        n = len(found.problems)
+        print(f"chemio config: {n} problem{'s' if n > 1 else ''} with the settings; fix "
+              f"{'them' if n > 1 else 'it'} before running a job:", file=sys.stderr)
+        for problem in found.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"chemio config: all {len(found.settings)} settings valid (config file: "
+              f"{found.config_file or 'none'})")
     return 0
 
 
@@ -184,30 +211,50 @@ def demo_eaf(nrec: int) -> int:
     return 0 if ok else 1
 
 
-def _benchmarks_dir() -> str | None:
+def _benchmark_places() -> list[str]:
+    """Where ``chemio bench`` looks for the suite (``benchmarks/runner.py``), in order."""
     import chemio_py
     cands = [os.path.join(p, "benchmarks") for p in chemio_py.__path__]
     here = os.path.dirname(os.path.abspath(chemio_py.__file__))
     cands += [os.path.join(here, "..", "benchmarks"),
               os.path.join(os.getcwd(), "benchmarks")]
-    for c in cands:
+    return [os.path.abspath(c) for c in cands]
+
+
+def _benchmarks_dir() -> str | None:
+    for c in _benchmark_places():
         if os.path.isfile(os.path.join(c, "runner.py")):
-            return os.path.abspath(c)
+            return c
     return None
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+_BENCH_NOT_HERE = ("the benchmark suite is not part of the installed package: it is the "
+                   "benchmarks/ folder of the chemio_py source checkout. Run 'chemio bench' "
+                   "from a checkout (or pass --dir PATH/benchmarks)")
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentParser
+              ) -> int:
+    """Run the suite's runner with ``rest``; without the suite, ``--help`` says where it
+    is (exit 0) and anything else says so as an error (exit 2)."""
     d = args.dir or _benchmarks_dir()
     if d is None or not os.path.isfile(os.path.join(d, "runner.py")):
-        print("chemio bench: no benchmarks/ directory found; run it from a source checkout "
-              "or pass --dir PATH/benchmarks", file=sys.stderr)
+        if args.dir is None and any(a in ("-h", "--help") for a in rest):
+            parser.print_help()
+            print(f"\n{_BENCH_NOT_HERE}; there 'chemio bench --help' lists the runner's "
+                  f"options (--quick, --only NAME, --list, --out DIR, ...).\nLooked in: "
+                  f"{', '.join(_benchmark_places())}")
+            return 0
+        where = (f"--dir {args.dir!r} holds no runner.py" if args.dir is not None
+                 else f"{_BENCH_NOT_HERE} (looked in: {', '.join(_benchmark_places())})")
+        print(f"chemio bench: {where}", file=sys.stderr)
         return 2
     sys.path.insert(0, d)
     mod = _load_script(os.path.join(d, "runner.py"), "chemio_benchmarks_runner")
     return int(mod.main(rest) or 0)
 
 
-def _add_ls_trace(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def _add_ls_trace(sub: "argparse._SubParsersAction[Any]") -> None:
     from . import listing, trace_view
     listing.add_arguments(sub.add_parser(
         "ls", help="list the scratch: jobs, their processes and liveness, and their objects"))
@@ -225,13 +272,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return run(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but help, usage and version text that cannot be written is not dropped in
+    silence: a closed stdout ends ``chemio --help`` as it ends any other command (``main``)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chemio", description="chemio_py: out-of-core scratch I/O "
-                                "for computational chemistry")
+    import chemio_py
+    p = _Parser(prog="chemio", description="chemio_py: out-of-core scratch I/O for "
+                "computational chemistry")
+    p.add_argument("--version", action="version", version=f"chemio_py {chemio_py.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="version, backends, scratch dirs, MPI, settings")
-    c = sub.add_parser("config", help="effective settings with their sources")
+    c = sub.add_parser("config", help="effective settings with their sources, and their "
+                       "problems (exit 1 when there is one)")
     c.add_argument("names", nargs="*", help="file names to show the backend rule for")
+    c.add_argument("--check", action="store_true", help="only check: list every problem of "
+                   "the environment, config file and directories (exit 1), or say all is well")
     cl = sub.add_parser("clean", help="remove scratch of jobs whose processes are gone")
     cl.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     cl.add_argument("--root", action="append", help="scratch root to sweep (repeatable); "
@@ -242,30 +303,69 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--records", type=int, default=64, help="1 MiB records of the --eaf pass")
     check.add_parser(sub)
     _add_ls_trace(sub)
-    b = sub.add_parser("bench", help="run the benchmark suite (options go to the runner)",
-                       add_help=False)
+    b = sub.add_parser("bench", help="run the benchmark suite of the source checkout "
+                       "(options go to its runner)", add_help=False,
+                       usage="chemio bench [--dir DIR] [runner options: --quick, --only NAME, "
+                       "--list, --out DIR, ...]")
     b.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")
+    b.set_defaults(bench_parser=b)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+# The exit status of a command whose reader closed stdout: 128 + SIGPIPE, as a shell reports
+# git or cat stopped by that signal.
+EXIT_READER_GONE = 141
+
+
+def _reader_gone() -> bool:
+    """True when stdout is a pipe or socket whose reading end has been closed."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):     # no real descriptor (captured, closed)
+        return False
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "bench":
-        return cmd_bench(args, rest)
+        return cmd_bench(args, rest, args.bench_parser)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    import chemio_py.backends as backends
+    config.set_choices("backend", backends.names)     # backend names checked with the rest
     handler = {"info": cmd_info, "config": cmd_config, "clean": cmd_clean, "demo": cmd_demo,
                "check": check.cmd_check, "ls": cmd_ls, "trace": cmd_trace}[args.cmd]
     try:
         return handler(args)
     except Exception as e:
         from .errors import ChemIOError
+        if isinstance(e, BrokenPipeError) and _reader_gone():
+            raise                                      # the reader left: see main()
         if isinstance(e, (ChemIOError, OSError)):
             print(f"chemio {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``chemio`` with ``argv`` (default: the command line); returns the exit status:
+    0 done, 1 failed (the reason on stderr), 2 usage error, 141 stdout closed by its reader."""
+    try:
+        try:
+            return _run(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()              # a closed pipe fails here, not at interpreter exit
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        # Nobody reads what is left: send it (and the flush at exit) to /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_READER_GONE
 
 
 if __name__ == "__main__":

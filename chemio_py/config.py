@@ -27,26 +27,54 @@ means no config file at all. Every value, from any source, is checked: a number 
 finite and in range (``io_threads`` 1 to 1024, sizes up to ``2**63-1`` bytes), a flag a
 boolean, a path a string.
 
-This is the lowest layer of the package: it imports no chemio module but ``errors`` and
-``ownfiles``. Modules above it that keep state derived from a setting (the I/O pool, the
-trace, the communicator) follow changes through ``on_change`` hooks.
+Settings are checked all at once, not one by one when first used. The first lookup of any
+setting (``get``, ``settings``, ``backend_for``, ...), every ``configure()`` call and
+``chemio config --check`` (``survey()``) examine every setting of every source: explicit
+values, ``CHEMIO_*`` variables, the config file and its ``[files."pattern"]`` rules. Any
+problem raises one ``ConfigError`` naming each bad setting with its source (``configure()``,
+the variable, the file), and nothing is used until they are fixed; ``configure()`` with a
+problem changes nothing. Later lookups check again only when an input changed: a
+``CHEMIO_*`` variable, the config file, ``configure()``, the known values (``set_choices``).
+``import chemio_py`` reads no setting that can fail it, so a bad environment breaks no
+import, and ``chemio config --check`` can always run to list what is wrong.
+
+What is checked beyond type and range: unknown keys (with the nearest known name); values
+with a fixed set of choices, registered by the module that knows them (``set_choices``: the
+backend registry for ``backend``, globally and in every ``[files]`` rule); paths are local,
+so a URL (``s3://``, ``gs://``, ``http(s)://``, ``file://``, any ``scheme://``) is refused:
+chemio works on local and parallel file systems, object stores are reached through the
+``zarr`` backend on a mounted path (for ``file://`` give the path itself). The directories
+that ``scratch`` (each entry this host may use: plain and ``RANK:dir`` entries, ``host:dir``
+entries matching this host), ``shared_scratch`` and ``shm_dir`` name must be directories
+this user can write, or be missing with an existing parent: chemio then makes the last
+level (0700) at first use, as ``mkdir`` would, so ``/scratch/$USER/$JOB_ID`` works while a
+typo higher up is an error naming the entry, what is missing and the source, never a
+silently made tree. File-system checks apply to the value in effect, not to defaults (the
+default ``scratch`` is ``tempfile.gettempdir()``: ``$TMPDIR``, else ``/tmp``), and not to
+``trace``: a trace that cannot be written is a warning at exit, never a failed job.
+
+This is the lowest layer of the package: it imports no chemio module but ``errors``,
+``ownfiles`` and ``safejson`` (the TOML is parsed with its limits). Modules above it that
+keep state derived from a setting (the I/O pool, the trace, the communicator) follow changes
+through ``on_change`` hooks.
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 import operator
 import os
 import re
 import shlex
+import socket
 import stat as _stat
 import tempfile
 import threading
-import tomllib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from . import ownfiles
+from . import ownfiles, safejson
 from .errors import ConfigError
 
 
@@ -135,14 +163,119 @@ def _path_text(v: Any) -> str:
     return v.strip()
 
 
+_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _local(text: str) -> str:
+    """``text`` itself when it is a path, not a URL (``s3://``, ``file://``, ...)."""
+    m = _URL_RE.match(text)
+    if m is None:
+        return text
+    hint = ""
+    if m.group().lower() == "file://":
+        rest = text[len("file://"):]
+        rest = rest[len("localhost"):] if rest.lower().startswith("localhost/") else rest
+        hint = f" (for a local directory give the path itself, {rest!r})"
+    raise ValueError(f"{_show(text)} is a URL: chemio_py works on local/parallel file systems; "
+                     f"for object stores use the zarr backend with a mounted path{hint}")
+
+
 def _parse_path(v: Any) -> str:
-    return _path_text(v)
+    text = _path_text(v)
+    if not text:
+        raise ValueError("expected a path, got an empty string")
+    return _local(text)
 
 
 def _parse_opt_path(v: Any) -> str | None:
     if v is None:
         return None
-    return _path_text(v) or None
+    return _local(_path_text(v)) or None
+
+
+_SCRATCH_ACCEPTED = "expected directories separated by commas, each 'dir', 'host:dir' or 'RANK:dir'"
+
+
+def _scratch_tokens(text: str) -> list[tuple[str, str | None, str]]:
+    """``(entry, key, dir)`` for each entry of a ``scratch`` value, read as
+    ``scratch.parse_scratch`` reads it: ``key`` is None for a plain ``dir``, the digits of a
+    ``RANK:dir`` entry or the host pattern of a ``host:dir`` entry."""
+    out: list[tuple[str, str | None, str]] = []
+    for tok in (t.strip() for t in text.split(",")):
+        if tok and ":" in tok and not tok.startswith("/") and not _URL_RE.match(tok):
+            key, path = tok.split(":", 1)
+            out.append((tok, key, path))
+        elif tok:
+            out.append((tok, None, tok))
+    return out
+
+
+def _parse_scratch(v: Any) -> str:
+    """``scratch``: comma-separated ``dir``, ``host:dir`` or ``RANK:dir`` entries, each
+    naming a local directory; every bad entry is named in one error."""
+    text = _path_text(v)
+    entries = _scratch_tokens(text)
+    if not entries:
+        raise ValueError(f"names no directory; {_SCRATCH_ACCEPTED}")
+    bad = []
+    for tok, key, path in entries:
+        if key == "":
+            bad.append(f"entry {tok!r} has no host or rank before ':'")
+        elif key is not None and not path.strip():
+            bad.append(f"entry {tok!r} names no directory after '{key}:'")
+        else:
+            try:
+                _local(path.strip())
+            except ValueError as e:
+                bad.append(f"entry {e}" if path == tok else f"entry {tok!r}: {e}")
+    if bad:
+        raise ValueError("; ".join(bad))
+    return text
+
+
+def _dir_problem(path: str) -> str | None:
+    """Why chemio cannot keep files in directory ``path``, or None. It must be a directory
+    this user may write in, or be missing with an existing parent (made at first use, 0700,
+    as ``mkdir`` makes it)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full):
+        if os.access(full, os.W_OK | os.X_OK):
+            return None
+        return "not writable by you; choose another directory or fix its permissions"
+    if os.path.lexists(full):
+        return "not a directory; name a directory"
+    missing = full
+    while not os.path.lexists(os.path.dirname(missing)):
+        missing = os.path.dirname(missing)
+    if missing == full:
+        parent = os.path.dirname(full)
+        if os.path.isdir(parent):
+            return None                     # made at first use, as mkdir makes it
+        return f"cannot be made: {parent!r} is not a directory; fix the path"
+    above = os.path.dirname(missing)
+    if not os.path.isdir(above):
+        return f"cannot be made: {above!r} is not a directory; fix the path"
+    return (f"no such directory ({missing!r} does not exist); create it "
+            f"(mkdir -p {shlex.quote(full)}) or fix the path")
+
+
+def _check_dir(value: str | None) -> list[str]:
+    why = None if value is None else _dir_problem(value)
+    return [] if why is None else [why]
+
+
+def _check_scratch_dirs(value: str) -> list[str]:
+    """The problems of the entries of a ``scratch`` value that this host may use (plain and
+    ``RANK:dir`` entries, ``host:dir`` ones whose pattern matches this host)."""
+    host = socket.gethostname()
+    out = []
+    for tok, key, path in _scratch_tokens(value):
+        if key is not None and not key.isdigit() and not fnmatch.fnmatchcase(host, key):
+            continue                            # another host's directory: checked there
+        why = _dir_problem(path.strip())
+        if why is not None:
+            out.append(f"entry {tok!r}: {why}")
+    return out
 
 
 def _parse_limit(v: Any) -> str:
@@ -232,6 +365,35 @@ def _parse_hints(v: Any) -> dict[str, str]:
     return out
 
 
+_TIMEOUT_ACCEPTED = ("expected a number of seconds greater than 0 (60, 0.5), or 0/off/none "
+                     "for no timeout")
+
+
+def _parse_timeout(v: Any) -> float | None:
+    """Seconds (finite, > 0), or None for "no timeout" (``0``, ``off``, ``none``, empty)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        raise ValueError(f"{_TIMEOUT_ACCEPTED}, not a boolean")
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if s in ("", "0", "off", "none", "no"):
+            return None
+        if not _SIZE_RE.fullmatch(s.upper()):
+            raise ValueError(_TIMEOUT_ACCEPTED)
+        f = float(s)
+    else:
+        try:
+            f = float(v)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{_TIMEOUT_ACCEPTED}, not a {type(v).__name__}") from None
+    if f == 0:
+        return None
+    if not (math.isfinite(f) and 0 < f <= 1e9):
+        raise ValueError(_TIMEOUT_ACCEPTED)
+    return f
+
+
 COMPRESSORS = ("zstd", "blosc")
 _COMPRESSOR_ACCEPTED = ("expected 'none', 'zstd[:level]' or 'blosc[:cname[:level[:shuffle]]]' "
                         "(shuffle: noshuffle, shuffle, bitshuffle), or a TOML table such as "
@@ -291,24 +453,29 @@ def _parse_compressor(v: Any) -> dict | None:
 
 @dataclass(frozen=True)
 class Spec:
+    """One setting: its name, variable, default, parser (raises ``ValueError`` saying what
+    it accepts) and meaning; ``check_dirs`` lists the problems of the directories a value
+    names (run on the value in effect when it is not the default)."""
     name: str
     env: str
     default: Callable[[], Any]
     parse: Callable[[Any], Any]
     doc: str
+    check_dirs: Callable[[Any], list[str]] | None = None
 
 
 SPECS: dict[str, Spec] = {s.name: s for s in [
     Spec("backend", "CHEMIO_BACKEND", lambda: "local", _parse_name,
          "storage backend for files without an explicit one"),
-    Spec("scratch", "CHEMIO_SCRATCH", tempfile.gettempdir, _parse_path,
-         "scratch dirs for per-rank files: 'dir', 'host:dir' or 'RANK:dir', comma separated"),
+    Spec("scratch", "CHEMIO_SCRATCH", tempfile.gettempdir, _parse_scratch,
+         "scratch dirs for per-rank files: 'dir', 'host:dir' or 'RANK:dir', comma separated",
+         _check_scratch_dirs),
     Spec("shared_scratch", "CHEMIO_SHARED_SCRATCH", lambda: None, _parse_opt_path,
-         "dir for shared files and arrays (default: first CHEMIO_SCRATCH entry)"),
+         "dir for shared files and arrays (default: first CHEMIO_SCRATCH entry)", _check_dir),
     Spec("io_threads", "CHEMIO_IO_THREADS", lambda: 16, _parse_io_threads,
          f"threads in the background I/O pool (1 to {MAX_IO_THREADS})"),
     Spec("shm_dir", "CHEMIO_SHM_DIR", lambda: "/dev/shm", _parse_path,
-         "directory of RAM-resident files for the shm backend"),
+         "directory of RAM-resident files for the shm backend", _check_dir),
     Spec("shm_limit", "CHEMIO_SHM_LIMIT", lambda: "50%", _parse_limit,
          "RAM budget of the shm backend: bytes (512M, 4G) or a share of available memory"),
     Spec("sync", "CHEMIO_SYNC", lambda: False, _parse_bool,
@@ -318,6 +485,9 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
          "one of yours it replaces; never through a link)"),
     Spec("keep", "CHEMIO_KEEP", lambda: False, _parse_bool,
          "keep scratch files at exit for inspection"),
+    Spec("sigterm_cleanup", "CHEMIO_SIGTERM_CLEANUP", lambda: True, _parse_bool,
+         "on SIGTERM (e.g. a job's walltime), remove this process's scratch, then run the "
+         "handler that was there before or end as SIGTERM would"),
     Spec("direct", "CHEMIO_DIRECT", lambda: False, _parse_bool,
          "use O_DIRECT for aligned requests on the local backend"),
     Spec("map_cap", "CHEMIO_MAP_CAP", lambda: "8G", _parse_limit,
@@ -328,6 +498,12 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
     Spec("compressor", "CHEMIO_COMPRESSOR", lambda: None, _parse_compressor,
          "compression of arrays on backends that compress (zarr): 'none', 'zstd[:level]', "
          "'blosc[:cname[:level[:shuffle]]]'"),
+    Spec("abort_on_error", "CHEMIO_ABORT_ON_ERROR", lambda: True, _parse_bool,
+         "under MPI, an uncaught exception on one rank aborts the whole job (as "
+         "python -m mpi4py does) instead of leaving the other ranks waiting"),
+    Spec("collective_timeout", "CHEMIO_COLLECTIVE_TIMEOUT", lambda: None, _parse_timeout,
+         "seconds a rank waits for the others to arrive at a collective call before it "
+         "raises, naming the ranks that never came (off by default)"),
 ]}
 
 # Settings that a [files."pattern"] rule of the TOML file may set per file name.
@@ -341,8 +517,9 @@ Hook = Callable[[dict[str, Any], bool], None]
 
 _lock = threading.Lock()
 _explicit: dict[str, Any] = {}
-_toml_cache: dict[str, tuple[tuple, dict]] = {}
+_files: dict[str, tuple[tuple, dict]] = {}   # config path -> (identity, TOML data) as read
 _hooks: list[tuple[frozenset[str], Hook]] = []
+_choices: dict[str, Callable[[], Iterable[str]]] = {}   # see set_choices
 
 
 @dataclass(frozen=True)
@@ -416,6 +593,9 @@ def _check_trust(path: str, how: str, st: os.stat_result, what: str = "is") -> N
 def _resolve(path: str, how: str) -> tuple[str, os.stat_result]:
     """The file to open for ``path`` and its ``lstat``; a final link is followed only for
     CHEMIO_CONFIG and the user config file, and only when the link is ours (or root's)."""
+    if _URL_RE.match(path):
+        raise _refuse(path, how, "is a URL: chemio reads its settings from a local file",
+                      "point CHEMIO_CONFIG at a local file, or unset it")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -475,31 +655,39 @@ def _load(path: str, how: str, target: str) -> tuple[tuple, dict]:
     finally:
         os.close(fd)
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        data = safejson.load_toml(raw.decode("utf-8"), what=f"config file {path!r}",
+                                  max_bytes=MAX_CONFIG_BYTES, error=ConfigError)
     except UnicodeDecodeError as e:
         raise _refuse(path, how, f"is not UTF-8 text (byte {e.start})",
                       "fix or remove it") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-    unknown = set(data) - set(SPECS) - {"files"}
-    if unknown:
-        raise ConfigError(f"config file {path!r} has unknown keys {sorted(unknown)}; "
-                          f"known: {sorted(SPECS)} and [files.\"pattern\"] tables")
     return _cache_key(target, st), data
 
 
-def _toml() -> tuple[str | None, dict]:
+def _read_file(path: str, how: str) -> tuple[tuple, dict]:
+    """(identity, TOML data) of the config file; read again only when it changed."""
+    target, st = _resolve(path, how)
+    cached = _files.get(path)
+    if cached and cached[0] == _cache_key(target, st):
+        return cached                                  # the very file checked when it was read
+    cached = _load(path, how, target)
+    _files[path] = cached
+    return cached
+
+
+def _file_identity() -> tuple | None:
+    """(path, identity) of the config file in use, None without one, ``_UNREADABLE`` when
+    it cannot be used (the full check then says why)."""
     found = _find_config()
     if found is None:
-        return None, {}
-    path, how = found
-    target, st = _resolve(path, how)
-    cached = _toml_cache.get(path)
-    if cached and cached[0] == _cache_key(target, st):
-        return path, cached[1]                         # the very file checked when it was read
-    key, data = _load(path, how, target)
-    _toml_cache[path] = (key, data)
-    return path, data
+        return None
+    try:
+        target, st = _resolve(*found)
+    except ConfigError:
+        return _UNREADABLE
+    return found[0], _cache_key(target, st)
+
+
+_UNREADABLE = ("unreadable",)
 
 
 def _where(source: str) -> str:
@@ -507,6 +695,8 @@ def _where(source: str) -> str:
         return f"environment variable {source[4:]}"
     if source.startswith("file:"):
         return f"config file {source[5:]}"
+    if source == "explicit":
+        return "configure()"
     return source
 
 
@@ -518,20 +708,233 @@ def _parse(spec: Spec, raw: Any, source: str) -> Any:
                           f"invalid: {e}") from None
 
 
+def _nearest(word: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _value(spec: Spec, raw: Any, source: str, choices: dict[str, frozenset[str]]) -> Any:
+    """``raw`` parsed, and one of the known choices where the setting has them."""
+    value = _parse(spec, raw, source)
+    known = choices.get(spec.name)
+    if known is not None and value not in known:
+        raise ConfigError(f"setting {spec.name!r} = {_show(raw)} (from {_where(source)}) is "
+                          f"invalid: no {spec.name} of that name is known here"
+                          f"{_nearest(value, known)}; known: {sorted(known)}")
+    return value
+
+
+Provider = Callable[[], Iterable[str]]
+
+
+def set_choices(name: str, provider: Provider | None) -> Provider | None:
+    """Accept for setting ``name`` only the values ``provider()`` returns (None: any value
+    its parser accepts); returns the provider it replaces. The module that knows the values
+    registers them, so config stays a leaf: the backend registry gives
+    ``set_choices("backend", names)``. The provider is called at each full check, never at a
+    plain lookup; the next lookup checks everything again."""
+    global _checked
+    if name not in SPECS:
+        raise ConfigError(f"set_choices() got unknown setting {name!r}; known: {sorted(SPECS)}")
+    with _lock:
+        before = _choices.pop(name, None)
+        if provider is not None:
+            _choices[name] = provider
+        _checked = None
+    return before
+
+
+def _known_choices() -> dict[str, frozenset[str]]:
+    with _lock:
+        providers = dict(_choices)
+    out = {}
+    for name, provider in providers.items():
+        try:
+            out[name] = frozenset(provider())
+        except Exception:  # noqa: BLE001 - a broken registry must not hide the other checks
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Every setting at once, as ``chemio config`` shows them and ``--check`` judges them."""
+    config_file: str | None
+    settings: dict[str, Setting]            # in effect; a bad one holds the value as found
+    rules: list[tuple[str, dict, str]]      # the [files] rules: (pattern, values, source)
+    problems: list[str]                     # one line per problem, naming setting and source
+    invalid: frozenset[str]                 # settings whose value in effect is bad
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the last clean check saw; lookups use it until an input changes."""
+    env: dict[str, tuple[str | None, Any]]  # name -> (CHEMIO_* text or None, parsed value)
+    file: tuple | None                      # _file_identity() at the check
+    values: dict[str, Any]                  # the config file's settings, parsed
+    source: str                             # "file:<path>" of those settings
+    rules: list[tuple[str, dict, str]]
+
+
+_checked: _Checked | None = None
+_BAD = object()
+
+
+def _file_settings(path: str, data: dict, choices: dict[str, frozenset[str]],
+                   problems: list[str]) -> tuple[dict[str, Any], list[tuple[str, dict, str]]]:
+    """The settings and ``[files]`` rules of a config file, parsed; problems appended."""
+    unknown = sorted(set(data) - set(SPECS) - {"files"})
+    if unknown:
+        hints = "".join(_nearest(k, SPECS) for k in unknown)
+        problems.append(f"config file {path!r} has unknown keys {unknown}{hints}; known: "
+                        f"{sorted(SPECS)} and [files.\"pattern\"] tables")
+    values = {}
+    for key in [k for k in data if k in SPECS]:
+        try:
+            values[key] = _value(SPECS[key], data[key], f"file:{path}", choices)
+        except ConfigError as e:
+            problems.append(str(e))
+    rules: list[tuple[str, dict, str]] = []
+    files = data.get("files", {})
+    if not isinstance(files, dict):
+        problems.append(f"[files] in {path!r} must be a table of pattern tables, such as "
+                        f"[files.\"*.aoints\"]")
+        return values, rules
+    for pattern, table in files.items():
+        if not isinstance(table, dict):
+            problems.append(f"[files.{pattern!r}] in {path!r} must be a table")
+            continue
+        bad = sorted(set(table) - set(PER_FILE))
+        if bad:
+            problems.append(f"[files.{pattern!r}] in {path!r} has unknown keys {bad}"
+                            f"{''.join(_nearest(k, PER_FILE) for k in bad)}; known: "
+                            f"{list(PER_FILE)}")
+        source = f"file:{path} [files.\"{pattern}\"]"
+        parsed = {}
+        for key in PER_FILE:
+            if key in table:
+                try:
+                    parsed[key] = _value(SPECS[key], table[key], source, choices)
+                except ConfigError as e:
+                    problems.append(str(e))
+        rules.append((pattern, parsed, source))
+    return values, rules
+
+
+def _examine(explicit: dict[str, Any],
+             choices: dict[str, frozenset[str]]) -> tuple[Survey, _Checked]:
+    """Check every setting of every source (``explicit`` values are parsed already)."""
+    problems: list[str] = []
+    found = _find_config()
+    identity: tuple | None = None
+    data: dict = {}
+    values: dict[str, Any] = {}
+    rules: list[tuple[str, dict, str]] = []
+    if found is not None:
+        try:
+            key, data = _read_file(*found)
+            identity = (found[0], key)
+            values, rules = _file_settings(found[0], data, choices, problems)
+        except ConfigError as e:
+            problems.append(str(e))
+            identity = _UNREADABLE
+    env: dict[str, tuple[str | None, Any]] = {}
+    for spec in SPECS.values():
+        text = os.environ.get(spec.env) or None
+        value: Any = None
+        if text is not None:
+            try:
+                value = _value(spec, text, f"env:{spec.env}", choices)
+            except ConfigError as e:
+                problems.append(str(e))
+                value = _BAD
+        env[spec.name] = (text, value)
+    shown: dict[str, Setting] = {}
+    invalid = set()
+    for spec in SPECS.values():
+        name = spec.name
+        if name in explicit:
+            raw = value = explicit[name]
+            source = "explicit"
+        elif env[name][0] is not None:
+            raw, value = env[name]
+            source = f"env:{spec.env}"
+        elif found is not None and name in data:
+            raw, value = data[name], values.get(name, _BAD)
+            source = f"file:{found[0]}"
+        else:
+            raw = value = spec.default()
+            source = "default"
+        if value is _BAD:
+            invalid.add(name)
+        elif spec.check_dirs is not None and source != "default":
+            for why in spec.check_dirs(value):
+                problems.append(f"setting {name!r} = {_show(raw)} (from {_where(source)}): "
+                                f"{why}")
+                invalid.add(name)
+        shown[name] = Setting(name, raw if value is _BAD else value, source)
+    path = found[0] if found else None
+    survey = Survey(path, shown, rules, problems, frozenset(invalid))
+    return survey, _Checked(env, identity, values, f"file:{path}", rules)
+
+
+def _summary(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return (f"{len(problems)} problems with the chemio settings (`chemio config --check` "
+            f"lists them):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def survey() -> Survey:
+    """Every setting with its source and every problem, without raising: what ``chemio
+    config`` shows. It changes nothing: lookups still check on their own."""
+    with _lock:
+        explicit = dict(_explicit)
+    return _examine(explicit, _known_choices())[0]
+
+
+def _require_valid() -> _Checked:
+    """Check everything; raise one ``ConfigError`` naming every problem."""
+    global _checked
+    with _lock:
+        explicit = dict(_explicit)
+    found, checked = _examine(explicit, _known_choices())
+    if found.problems:
+        raise ConfigError(_summary(found.problems))
+    _checked = checked
+    return checked
+
+
+def _checked_file() -> _Checked:
+    """The last clean check, made again when never made or when the config file changed."""
+    checked = _checked
+    if checked is None or checked.file != _file_identity():
+        checked = _require_valid()
+    return checked
+
+
 def get_setting(name: str) -> Setting:
-    """The effective value of one setting, with its source."""
+    """The effective value of one setting, with its source. Raises ``ConfigError`` naming
+    every bad setting when any is bad (see the module's docstring for when it checks)."""
     spec = SPECS.get(name)
     if spec is None:
-        raise ConfigError(f"unknown setting {name!r}; known: {sorted(SPECS)}")
+        raise ConfigError(f"unknown setting {name!r}{_nearest(name, SPECS)}; "
+                          f"known: {sorted(SPECS)}")
+    checked = _checked or _require_valid()
     with _lock:
         if name in _explicit:
             return Setting(name, _explicit[name], "explicit")
-    raw = os.environ.get(spec.env)
-    if raw is not None and raw != "":
-        return Setting(name, _parse(spec, raw, f"env:{spec.env}"), f"env:{spec.env}")
-    path, data = _toml()
-    if name in data:
-        return Setting(name, _parse(spec, data[name], f"file:{path}"), f"file:{path}")
+    text = os.environ.get(spec.env) or None
+    if text != checked.env[name][0]:
+        checked = _require_valid()                     # a variable changed: check them all
+    seen, value = checked.env[name]
+    if text is not None:
+        if seen != text:                               # changed again meanwhile
+            value = _value(spec, text, f"env:{spec.env}", _known_choices())
+        return Setting(name, value, f"env:{spec.env}")
+    checked = _checked_file()
+    if name in checked.values:
+        return Setting(name, checked.values[name], checked.source)
     return Setting(name, spec.default(), "default")
 
 
@@ -588,25 +991,39 @@ def configure(**settings: Any) -> None:
 
     ``comm=`` takes an mpi4py communicator (or a ``chemio_py.comm.Comm``) to use for
     collective calls, e.g. a sub-communicator for a task group; ``comm=None`` goes back
-    to the default (``COMM_WORLD`` under an MPI launcher). Nothing changes when any value
-    is invalid.
+    to the default (``COMM_WORLD`` under an MPI launcher). Every setting is checked with
+    the new values in place, from every source (the environment and the config file too):
+    when anything is bad, one ``ConfigError`` names it all and nothing changes.
     """
+    global _checked
     unknown = set(settings) - set(SPECS) - set(PASSED_ON)
     if unknown:
-        raise ConfigError(f"configure() got unknown settings {sorted(unknown)}; "
+        hints = "".join(_nearest(k, [*SPECS, *PASSED_ON]) for k in sorted(unknown))
+        raise ConfigError(f"configure() got unknown settings {sorted(unknown)}{hints}; "
                           f"known: {sorted(SPECS) + list(PASSED_ON)}")
-    parsed = {}
+    choices = _known_choices()
+    parsed, problems = {}, []
     for k, v in settings.items():
         if k in SPECS and v is not None:
-            parsed[k] = _parse(SPECS[k], v, "configure()")
+            try:
+                parsed[k] = _value(SPECS[k], v, "explicit", choices)
+            except ConfigError as e:
+                problems.append(str(e))
+    if problems:
+        raise ConfigError(_summary(problems))
+    changed = {k: parsed.get(k) for k in settings if k in SPECS}
     with _lock:
-        for k, v in settings.items():
-            if k in PASSED_ON:
-                continue
+        candidate = {**_explicit, **changed}
+    found, checked = _examine({k: v for k, v in candidate.items() if v is not None}, choices)
+    if found.problems:
+        raise ConfigError(_summary(found.problems))
+    with _lock:
+        for k, v in changed.items():
             if v is None:
                 _explicit.pop(k, None)
             else:
-                _explicit[k] = parsed[k]
+                _explicit[k] = v
+        _checked = checked
     _notify({k: parsed.get(k, v) for k, v in settings.items()}, reset=False)
 
 
@@ -617,22 +1034,7 @@ def settings() -> dict[str, Setting]:
 
 def file_rules() -> list[tuple[str, dict, str]]:
     """The per-name rules of the TOML file: (pattern, values, source)."""
-    path, data = _toml()
-    files = data.get("files", {})
-    if not isinstance(files, dict):
-        raise ConfigError(f"[files] in {path!r} must be a table of pattern tables")
-    out = []
-    for pattern, values in files.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"[files.{pattern!r}] in {path!r} must be a table")
-        bad = set(values) - set(PER_FILE)
-        if bad:
-            raise ConfigError(f"[files.{pattern!r}] in {path!r} has unknown keys {sorted(bad)}; "
-                              f"known: {list(PER_FILE)}")
-        source = f"file:{path} [files.\"{pattern}\"]"
-        values = {k: _parse(SPECS[k], v, source) for k, v in values.items()}
-        out.append((pattern, values, source))
-    return out
+    return list(_checked_file().rules)
 
 
 def setting_for(key: str, name: str | None, explicit: Any = None) -> Setting:
@@ -658,7 +1060,9 @@ def backend_for(name: str | None, explicit: str | None = None) -> Setting:
 
 def reset() -> None:
     """Drop all explicit settings and ``comm`` (tests use this)."""
+    global _checked
     with _lock:
         _explicit.clear()
-        _toml_cache.clear()
+        _files.clear()
+        _checked = None
     _notify(dict.fromkeys([*SPECS, *PASSED_ON]), reset=True)

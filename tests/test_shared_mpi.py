@@ -135,8 +135,12 @@ def leftovers():
 
 # 1. rank 0's shared scratch cannot be created (a regular file stands in the way)
 if me == 0:
-    bad = os.path.join(os.environ["CIO_NOT_A_DIR"], "sub")
+    # settings are checked when given, so the directory turns into a file after that
+    bad = os.environ["CIO_NOT_A_DIR"] + ".dir"
+    os.mkdir(bad)
     cio.configure(shared_scratch=bad, shm_dir=bad)
+    os.rmdir(bad)
+    open(bad, "w").close()
 try:
     cio.SharedFile("f1", backend=BE)
     say(f"NOERROR 1 {me}")
