@@ -52,21 +52,25 @@ class ExclusiveFile(ByteFile):
         options = {} if direct is None else {"direct": direct}
         if mode == "w+":
             handles.supersede(path, f"ExclusiveFile({name!r}, 'w+')")
-        store = be.open_bytes(path, mode, **options)
-        if mode in ("w+", "x+"):
-            scratch.own(path, be.remove)
         try:
-            if size_hint and mode != "r":
-                store.reserve(size_hint)
-        except BaseException:
-            store.close()
+            store = be.open_bytes(path, mode, **options)
             if mode in ("w+", "x+"):
-                be.remove(path)
-                scratch.disown(path)
+                scratch.own(path, be.remove)
+            try:
+                if size_hint and mode != "r":
+                    store.reserve(size_hint)
+            except BaseException:
+                store.close()
+                if mode in ("w+", "x+"):
+                    be.remove(path)
+                    scratch.disown(path)
+                raise
+            self.name = name
+            self._backend_obj = be
+            super().__init__(store, be_name, mode)
+        except BaseException:
+            handles.abandon(path)           # another thread may create this name now
             raise
-        self.name = name
-        self._backend_obj = be
-        super().__init__(store, be_name, mode)
         if mode in ("w+", "x+"):
             handles.claim(path, self)
 

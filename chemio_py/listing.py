@@ -24,13 +24,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from . import config, scratch
+from . import config, safejson, scratch
+from .errors import MetadataError
 from .ownfiles import NotARegularFile, open_regular, read_small
 
 if TYPE_CHECKING:
     import argparse
 
 MAX_WALK = 100_000          # entries counted inside one directory object (a .zarr tree)
+MAX_TREE_DEPTH = 64         # levels measured inside one directory object (zarr keys: 33)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _META_LIMIT = 1 << 20
 _RANK_SUFFIX = re.compile(r"\.(\d+)$")
 
@@ -47,6 +50,7 @@ class ScratchObject:
     age_seconds: float      # since the last change of any part
     rank: int | None = None     # for private files ``<name>.<rank>``
     parts: list[str] = field(default_factory=list)
+    note: str | None = None     # what could not be read or measured, and why
 
 
 @dataclass
@@ -115,33 +119,73 @@ def _guess_backend(kind: str, place: str) -> str:
 
 # ---------------------------------------------------------------- sizes
 
-def _tree_sizes(path: str) -> tuple[int, int, float, int]:
-    """(disk bytes, apparent bytes, newest mtime, entries) of a directory tree, by lstat only,
-    never following links, at most ``MAX_WALK`` entries."""
+def _tree_sizes(path: str) -> tuple[int, int, float, int, str | None]:
+    """(disk bytes, apparent bytes, newest mtime, entries, what was left out or None) of a
+    directory tree: by ``lstat`` relative to directory descriptors (never following a
+    link), without recursion, at most ``MAX_WALK`` entries and ``MAX_TREE_DEPTH`` levels."""
     disk = size = n = 0
     newest = 0.0
-    todo = [path]
-    while todo and n < MAX_WALK:
-        d = todo.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    n += 1
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    disk += st.st_blocks * 512
-                    newest = max(newest, st.st_mtime)
-                    if _stat.S_ISDIR(st.st_mode):
-                        todo.append(e.path)
-                    elif _stat.S_ISREG(st.st_mode):
-                        size += st.st_size
-                    if n >= MAX_WALK:
-                        break
-        except OSError:
-            continue
-    return disk, size, newest, n
+    deep = unreadable = 0
+
+    def scan(fd: int) -> list[str]:
+        """Count the entries of directory ``fd``; its subdirectories' names."""
+        nonlocal disk, size, n, newest, unreadable
+        subdirs = []
+        with os.scandir(fd) as it:
+            for e in it:
+                n += 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    unreadable += 1
+                    continue
+                disk += st.st_blocks * 512
+                newest = max(newest, st.st_mtime)
+                if _stat.S_ISDIR(st.st_mode):
+                    subdirs.append(e.name)
+                elif _stat.S_ISREG(st.st_mode):
+                    size += st.st_size
+                if n >= MAX_WALK:
+                    break
+        return subdirs
+
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+        stack = [(fd, scan(fd))]
+    except OSError as e:
+        return 0, 0, 0.0, 0, f"cannot be measured: {e.strerror or e}"
+    try:
+        while stack and n < MAX_WALK:
+            fd, subdirs = stack[-1]
+            if not subdirs:
+                os.close(stack.pop()[0])
+                continue
+            name = subdirs.pop()
+            if len(stack) >= MAX_TREE_DEPTH:
+                deep += 1
+                continue
+            try:
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                unreadable += 1
+                continue
+            try:
+                stack.append((cfd, scan(cfd)))
+            except OSError:
+                os.close(cfd)
+                unreadable += 1
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    left = []
+    if n >= MAX_WALK:
+        left.append(f"counted its first {MAX_WALK} entries only")
+    if deep:
+        left.append(f"{deep} director{'y' if deep == 1 else 'ies'} deeper than "
+                    f"{MAX_TREE_DEPTH} levels not measured")
+    if unreadable:
+        left.append(f"{unreadable} entr{'y' if unreadable == 1 else 'ies'} could not be read")
+    return disk, size, newest, n, "; ".join(left) or None
 
 
 def _array_nbytes(meta: dict) -> int | None:
@@ -149,7 +193,8 @@ def _array_nbytes(meta: dict) -> int | None:
     import numpy as np
     shape = meta.get("shape")
     dt = meta.get("dtype", meta.get("data_type"))
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or len(shape) > 64 \
+            or not all(type(n) is int and 0 <= n < 1 << 63 for n in shape):
         return None
     try:
         itemsize = np.dtype(dt).itemsize
@@ -161,12 +206,25 @@ def _array_nbytes(meta: dict) -> int | None:
     return n
 
 
-def _read_json(path: str) -> dict | None:
+def _read_json(path: str) -> tuple[dict | None, str | None]:
+    """(the JSON object in chemio's small file ``path``, None) or (None, why it cannot be
+    read): bounded, without following a link or blocking, parsed by ``safejson``."""
+    name = os.path.basename(path)
     try:
-        m = json.loads(read_small(path, _META_LIMIT))
-    except (OSError, ValueError, NotARegularFile):
-        return None
-    return m if isinstance(m, dict) else None
+        m = safejson.load(read_small(path, _META_LIMIT), what=name, max_bytes=_META_LIMIT)
+    except FileNotFoundError:
+        return None, None
+    except NotARegularFile as e:
+        return None, f"{name} {e.strerror}"
+    except MetadataError as e:
+        return None, str(e)
+    except ValueError:
+        return None, f"{name} holds more than {_META_LIMIT} bytes"
+    except OSError as e:
+        return None, f"{name} cannot be read: {e.strerror or e}"
+    if not isinstance(m, dict):
+        return None, f"{name} holds a JSON {type(m).__name__}, not an object"
+    return m, None
 
 
 def _record_kind(path: str, size: int) -> str:
@@ -211,7 +269,8 @@ def _objects(d: str, place: str, trusted: bool,
 
     def obj(name: str, kind: str, parts: list[str], logical: int | None = None,
             backend: str | None = None, rank: int | None = None,
-            tree: tuple[int, int, float, int] | None = None) -> None:
+            tree: tuple[int, int, float, int, str | None] | None = None,
+            note: str | None = None) -> None:
         used.update(parts)
         sts = [stats[p] for p in parts]
         disk = sum(s.st_blocks * 512 for s in sts)
@@ -219,10 +278,15 @@ def _objects(d: str, place: str, trusted: bool,
         newest = max(s.st_mtime for s in sts)
         if tree is not None:
             disk, size, newest = disk + tree[0], tree[1], max(newest, tree[2])
+            note = "; ".join(x for x in (note, tree[4]) if x) or None
         out.append(ScratchObject(name, os.path.join(d, name), kind,
                                  backend or _guess_backend(kind, place), disk,
                                  size if logical is None else logical,
-                                 max(0.0, now - newest), rank, parts))
+                                 max(0.0, now - newest), rank, parts, note))
+
+    def backend_of(meta: dict | None) -> str | None:
+        b = None if meta is None else meta.get("backend")
+        return b[:64] if isinstance(b, str) and b else None
 
     for n, st in stats.items():
         if n in used:
@@ -230,13 +294,14 @@ def _objects(d: str, place: str, trusted: bool,
         p = os.path.join(d, n)
         if n.endswith(".dra") and _stat.S_ISREG(st.st_mode):
             parts = [n] + ([n + ".json"] if n + ".json" in stats else [])
-            meta = _read_json(p + ".json") if trusted and len(parts) > 1 else None
+            meta, bad = _read_json(p + ".json") if trusted and len(parts) > 1 else (None, None)
             obj(n, "DiskArray", parts, None if meta is None else _array_nbytes(meta),
-                None if meta is None else str(meta.get("backend") or "") or None)
+                backend_of(meta), note=bad and f"metadata not read: {bad}")
         elif n.endswith(".zarr") and _stat.S_ISDIR(st.st_mode):
-            meta = _read_json(os.path.join(p, "zarr.json")) if trusted else None
+            meta, bad = (_read_json(os.path.join(p, "zarr.json")) if trusted
+                         else (None, None))
             obj(n, "DiskArray (zarr)", [n], None if meta is None else _array_nbytes(meta),
-                tree=_tree_sizes(p))
+                tree=_tree_sizes(p), note=bad and f"metadata not read: {bad}")
         elif n.endswith(".sf") and _stat.S_ISREG(st.st_mode):
             parts = [n] + ([n + ".token"] if n + ".token" in stats else [])
             obj(n, "SharedFile", parts)
@@ -262,9 +327,10 @@ def _objects(d: str, place: str, trusted: bool,
 
 
 def _owner_from_name(name: str, host: str | None) -> tuple[str | None, int | None, str | None]:
-    """(host, pid, batch id) read from ``chemio-[<batch>-]<host>-<pid>``."""
+    """(host, pid, batch id) read from ``chemio-[<batch>-]<host>-<pid>[-ns<hex>]`` (the pid
+    namespace tag: ``scratch.namespace_tag``)."""
     rest = name[len(scratch.JOB_PREFIX):]
-    m = re.fullmatch(r"(.*)-(\d+)", rest)
+    m = re.fullmatch(r"(.*)-(\d+)(?:-ns[0-9a-f]{12})?", rest)
     if not m:
         return host, None, None
     front, pid = m.group(1), int(m.group(2))
@@ -292,8 +358,10 @@ def _listing(info: scratch.JobDirInfo, root: str, place: str, here: Any,
             problem = "vanished"
         foreign = problem is not None
         if not foreign:
-            marker = _read_json(os.path.join(d, scratch.MARKER_NAME))
+            marker = _read_json(os.path.join(d, scratch.MARKER_NAME))[0]
     host = (marker or {}).get("host") if marker else None
+    if not isinstance(host, str):
+        host = None
     if host is None and info.leases:
         host = info.leases[0].get("host")
     host, pid, batch = _owner_from_name(os.path.basename(d), host)
@@ -333,11 +401,23 @@ def ls(roots: Iterable[str] | str | None = None, all: bool = False) -> list[JobL
     out = []
     for root, place in places.items():
         for info in scratch.scan_job_dirs([root]):
-            job = _listing(info, root, place, here, now, with_objects=True)
+            try:
+                job = _listing(info, root, place, here, now, with_objects=True)
+            except Exception as e:      # one bad entry is reported, the listing goes on
+                job = _unlisted(info, root, place, e)
             if job.foreign and not all:
                 continue
             out.append(job)
     return out
+
+
+def _unlisted(info: scratch.JobDirInfo, root: str, place: str, e: Exception) -> JobListing:
+    """The entry of a job directory that could not be listed, saying why."""
+    return JobListing(path=info.path, root=root, place=place, name=os.path.basename(info.path),
+                      host=None, owner_pid=None, batch_id=None, status=info.status,
+                      alive=None, foreign=False, reason=info.reason, uid=None,
+                      age_seconds=None, note=f"its objects could not be listed: "
+                      f"{type(e).__name__}: {str(e)[:200]}")
 
 
 def foreign_count(roots: Iterable[str] | None = None) -> int:
@@ -345,8 +425,14 @@ def foreign_count(roots: Iterable[str] | None = None) -> int:
     here = scratch._here()
     now = time.time()
     places = _places(roots)
-    return sum(_listing(i, r, p, here, now, with_objects=False).foreign
-               for r, p in places.items() for i in scratch.scan_job_dirs([r]))
+    n = 0
+    for r, p in places.items():
+        for i in scratch.scan_job_dirs([r]):
+            try:
+                n += _listing(i, r, p, here, now, with_objects=False).foreign
+            except Exception:           # ls() reports it as one of yours
+                pass
+    return n
 
 
 # ---------------------------------------------------------------- command line
@@ -389,6 +475,8 @@ def text(jobs: list[JobListing], hidden: int = 0) -> str:
             lines.append(f"    {o.kind:18s} {o.backend:14s} {show(o.name):32s} "
                          f"{_human(o.disk_bytes):>10s} on disk / {_human(o.logical_bytes):>10s}"
                          f"  age {_age(o.age_seconds)}")
+            if o.note:
+                lines.append(f"      ({show(o.note)})")
         if j.note:
             lines.append(f"    ({j.note})")
         if j.objects:

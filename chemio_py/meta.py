@@ -8,7 +8,8 @@ One document per array (``<data file>.json``)::
      "persistent": true, "uuid": "…", "created": {"time": …, "host": …, "ranks": 4, …}}
 
 A metadata file is untrusted input (it may be corrupt, truncated, or written by someone
-hostile): ``load`` reads at most ``MAX_BYTES``, rejects NaN/Infinity, non-integer or
+hostile): ``load`` reads at most ``MAX_BYTES``, parses with ``safejson`` (no document nested
+deeper than 64 levels, no integer of more than 30 digits), rejects NaN/Infinity, non-integer or
 negative sizes, sizes whose product passes ``MAX_NBYTES``, dtypes outside the whitelist,
 and data file names that are not plain names. Every failure is a ``MetadataError`` that
 names the file, the key and what was found. ``write_atomic`` writes a temp file, fsyncs it,
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ownfiles
+from . import ownfiles, safejson, scratch
 from .errors import ArgumentError, MetadataError
 
 FORMAT = 1
@@ -273,21 +274,11 @@ def _plain_name(base: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", base).replace("..", "_")[:255] or "array"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
 def loads(text: bytes | str, src: str = "<document>") -> Meta:
-    """Parse and validate a metadata document."""
-    if len(text) > MAX_BYTES:
-        raise _bad(src, f"{len(text)} bytes is too large for array metadata (limit {MAX_BYTES})")
-    try:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8")
-        doc = json.loads(text, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _bad(src, f"not valid JSON ({type(e).__name__}: {str(e)[:120]})",
-                   "the file is corrupt; restore it or recreate the array") from None
+    """Parse (``safejson``: size, nesting and number limits) and validate a metadata
+    document; every failure is a ``MetadataError`` naming ``src``."""
+    doc = safejson.load(text, what=f"metadata {src}", max_bytes=MAX_BYTES,
+                        hint="the metadata file is damaged; restore it from a copy")
     return validate(doc, src)
 
 
@@ -316,10 +307,21 @@ def dumps(meta: Meta) -> bytes:
 
 
 def write_atomic(path: str, payload: bytes, mode: int = 0o600) -> None:
-    """Write ``payload`` to ``path`` all-or-nothing: temp file, fsync, rename, fsync dir."""
+    """Write ``payload`` to ``path`` all-or-nothing: temp file, fsync, rename, fsync dir.
+
+    The temp file's name is this call's own (``scratch.temp_path``: pid, namespace, thread,
+    random); temp files of ``path`` whose writers are gone are removed first."""
     d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    scratch.remove_stale_temps(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for attempt in range(8):
+        tmp = scratch.temp_path(path)
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:         # 32 random bits met another's: draw again
+            if attempt == 7:
+                raise
     try:
         ownfiles.write_all(fd, payload)
         os.fsync(fd)

@@ -10,21 +10,29 @@ that cannot be proven (another host, boot, pid namespace or uid, an unreadable o
 lease, /proc not usable) the directory is kept and the listing says why.
 
 The job directory belongs to one process group: under an MPI launcher the launcher process
-that started the ranks of a node (their common parent), else this process. The batch job id
-(Slurm, PBS, LSF, SGE, Cobalt, Flux) is part of the name for people to see, never what makes
-it unique: two independent scripts of one allocation get two directories. Deriving it
+that started the ranks of a node (hydra_pmi_proxy, prterun/prted, slurmstepd: the nearest
+ancestor not started with the rank's launcher variables, so that wrappers which do not
+``exec``, ``sh -c 'python ...'`` or a run.sh, are passed over), else this process. The batch
+job id (Slurm, PBS, LSF, SGE, Cobalt, Flux) is part of the name for people to see, never what
+makes it unique: two independent scripts of one allocation get two directories. Deriving it
 locally means that a non-collective call, such as opening a private file on one rank, never
 waits for other ranks; shared objects take rank 0's directory in their collective creation.
+
+On SIGTERM (a job's walltime) a handler installed with the first scratch removes this
+process's scratch by path, then chains to the handler that was there before, or ends the
+process as SIGTERM would have (``CHEMIO_SIGTERM_CLEANUP=0`` turns this off).
 """
 from __future__ import annotations
 
 import atexit
 import errno
 import fnmatch
+import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import stat as _stat
 import threading
@@ -33,9 +41,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from . import config
-from .errors import (InvalidNameError, OutOfSpaceError, RefusedRemoval,  # noqa: F401
-                     StorageError)
+from . import config, safejson
+from .errors import (InvalidNameError, MetadataError, OutOfSpaceError,  # noqa: F401
+                     RefusedRemoval, StorageError)
 from .ownfiles import NotARegularFile, open_regular, read_bounded, write_all
 
 BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "COBALT_JOBID",
@@ -67,16 +75,20 @@ _open_objects: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary
 _forked = False                         # this process is a fork() child of a chemio process
 
 
+_owner: str | None = None               # _job_owner(), found once per process
+
+
 def _after_fork_in_child() -> None:
     # The scratch, the open objects and their I/O threads are the parent's: the child starts
     # with empty registries (and its own job directory if it makes files).
-    global _lock, _job_dirs, _by_root, _owned, _open_objects, _forked
+    global _lock, _job_dirs, _by_root, _owned, _open_objects, _forked, _owner
     _lock = threading.RLock()
     _job_dirs = {}
     _by_root = {}
     _owned = {}
     _open_objects = weakref.WeakKeyDictionary()
     _forked = True
+    _owner = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -182,20 +194,107 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", text)[:64]
 
 
-def _owner_pid() -> int:
-    """The process that owns this process's job directory: the MPI launcher of this node's
-    ranks (their common parent) under an MPI launcher, else this process. A fork() child
-    owns its own, even under MPI (its parent is a rank, not a launcher)."""
-    if not _forked:
-        from .comm import launched_by_mpi
-        if launched_by_mpi():
-            return os.getppid()
-    return os.getpid()
+# Variables an MPI launcher gives each rank. A wrapper that does not exec (``sh -c``, a
+# run.sh) was started with the rank's own values of them; the launcher process that started
+# the rank (hydra_pmi_proxy, prterun/prted, slurmstepd) was not.
+_RANK_VARS = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "PMIX_NAMESPACE",
+              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK",
+              "ALPS_APP_PE", "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_STEP_ID")
+_MAX_WRAPPERS = 16                      # ancestors looked at before giving up
+_ENVIRON_LIMIT = 1 << 24                # bytes of /proc/<pid>/environ read at most
+
+
+def _parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` from /proc (0: none visible); raises ``OSError``."""
+    data = _read_proc(f"/proc/{pid}/stat")
+    try:
+        return int(data.rsplit(b")", 1)[1].split()[1])
+    except (IndexError, ValueError):
+        raise OSError(errno.EIO, f"cannot parse /proc/{pid}/stat") from None
+
+
+def _started_with(pid: int, names: set[bytes]) -> dict[bytes, bytes]:
+    """The variables ``names`` in the environment ``pid`` was started with; raises
+    ``OSError``."""
+    data = _read_proc(f"/proc/{pid}/environ", _ENVIRON_LIMIT)
+    pairs = (item.partition(b"=")[::2] for item in data.split(b"\0") if item)
+    return {k: v for k, v in pairs if k in names}
+
+
+def _launcher_pid() -> int | None:
+    """The launcher process that started this MPI rank on this node; None when /proc cannot
+    tell (not mounted, another pid namespace, an ancestor outside it).
+
+    It is the nearest ancestor not started with this rank's launcher variables: the ranks of
+    one launch on a node share it, wrappers that do not exec are passed over, and two
+    launches (two ``mpiexec`` in one allocation) never share it while both run. An ancestor
+    whose environment may not be read (another user's, e.g. root's slurmstepd) is no
+    wrapper of ours: it is the launcher."""
+    from .comm import LAUNCHER_VARS
+    names = {v.encode() for v in (*_RANK_VARS, *LAUNCHER_VARS)}
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+        mine = _started_with(os.getpid(), names)    # as started, like the ancestors'
+        if not mine:
+            return None
+        pid = os.getppid()
+        for _ in range(_MAX_WRAPPERS):
+            if pid <= 1:
+                return None
+            try:
+                if _started_with(pid, names) != mine:
+                    return pid
+            except PermissionError:
+                return pid
+            pid = _parent_of(pid)
+    except OSError:
+        return None
+    return None
+
+
+def _launch_id() -> str | None:
+    """The launch this rank belongs to as its launcher names it in the environment (PMIx
+    namespace, Open MPI job id, Slurm step, Cray PALS/ALPS application id); None when the
+    launcher names none (MPICH's hydra does not)."""
+    env = os.environ
+    for v in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PALS_APID", "ALPS_APP_ID"):
+        if env.get(v):
+            return f"{v}={env[v]}"
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"slurm={env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    return None
+
+
+def _job_owner() -> str:
+    """What names this process's job directory on its host: the pid of the MPI launcher of
+    this node's ranks (see ``_launcher_pid``) under an MPI launcher, else this process's pid.
+    A fork() child owns its own, even under MPI (its parent is a rank, not a launcher). A
+    rank whose launcher /proc cannot show takes the launch id its launcher set
+    (``launch-<hash>``), else its own pid: never the directory of another launch."""
+    global _owner
+    if _owner is None:
+        owner: str | int = os.getpid()
+        if not _forked:
+            from .comm import launched_by_mpi
+            if launched_by_mpi():
+                launcher, launch = _launcher_pid(), _launch_id()
+                if launcher is not None:
+                    owner = launcher
+                elif launch is not None:
+                    owner = "launch-" + hashlib.sha1(launch.encode()).hexdigest()[:12]
+        _owner = str(owner)
+    return _owner
 
 
 def job_id() -> str:
-    """``[<batchid>-]<host>-<owner pid>``: unique per owning process group on a host."""
-    owner = f"{_safe(socket.gethostname())}-{_owner_pid()}"
+    """``[<batchid>-]<host>-<owner>[-ns<hex>]``: unique per owning process group on a host
+    (see ``_job_owner``) and, outside the host's pid namespace, per pid namespace (see
+    ``namespace_tag``)."""
+    owner = f"{_safe(socket.gethostname())}-{_job_owner()}"
+    tag = namespace_tag()
+    if tag:
+        owner = f"{owner}-{tag}"
     for v in BATCH_JOB_VARS:
         val = os.environ.get(v)
         if val:
@@ -222,6 +321,34 @@ def _pid_namespace() -> str | None:
         return None
 
 
+INIT_PID_NAMESPACE = "pid:[4026531836]"     # the host's (PROC_PID_INIT_INO, 0xEFFFFFFC)
+_ns_tag: str | None = None              # namespace_tag(), found once per process
+
+
+def namespace_tag() -> str:
+    """``""`` in the host's pid namespace (or when /proc cannot tell), else ``ns<12 hex>``
+    naming this pid namespace on this boot of this machine.
+
+    Pids are unique only within a pid namespace: two containers (``--pid``, ``unshare
+    --pid``) sharing a scratch root and host name both run as pid 1. What chemio names after
+    a pid (job directory, lease, temp file) carries this tag, so they never share one."""
+    global _ns_tag
+    if _ns_tag is None:
+        ns = _pid_namespace()
+        if ns is None or ns == INIT_PID_NAMESPACE:
+            _ns_tag = ""
+        else:
+            _ns_tag = "ns" + hashlib.sha1(f"{_boot_id()}:{ns}".encode()).hexdigest()[:12]
+    return _ns_tag
+
+
+def _lease_host() -> str:
+    """The host part of this process's lease names: the host name, then ``.<namespace
+    tag>`` outside the host's pid namespace."""
+    tag = namespace_tag()
+    return f"{socket.gethostname()}.{tag}" if tag else socket.gethostname()
+
+
 def _start_time(pid: int) -> str | None:
     """The start time of a process in clock ticks since boot; None if there is no such pid.
 
@@ -237,7 +364,80 @@ def _start_time(pid: int) -> str | None:
 
 
 def _lease_name(pid: int | None = None) -> str:
-    return f"{LEASE_PREFIX}{socket.gethostname()}.{os.getpid() if pid is None else pid}"
+    """``.lease.<host>[.ns<hex>].<pid>``: one per process of a job directory (see
+    ``namespace_tag``)."""
+    return f"{LEASE_PREFIX}{_lease_host()}.{os.getpid() if pid is None else pid}"
+
+
+TEMP_AGE = 600          # seconds after which a chemio temp file is stale, whoever wrote it
+_NAME_MAX = 255
+_TEMP_TAIL = re.compile(r"(\d+)(?:\.([0-9a-f]{8})\.(\d+)\.([0-9a-f]{8}))?")
+
+
+def _writer_tag() -> str:
+    """8 hex naming this machine (host name and boot) and pid namespace: where the pid in a
+    temp file's name means this process."""
+    where = f"{socket.gethostname()}:{_boot_id()}:{_pid_namespace()}"
+    return hashlib.sha1(where.encode()).hexdigest()[:8]
+
+
+def _temp_stem(path: str) -> str:
+    """``<dir>/.<name>.tmp`` for ``path``, its name shortened so a temp name fits a
+    directory entry."""
+    d, base = os.path.split(os.path.abspath(path))
+    return os.path.join(d, f".{base[:_NAME_MAX - 48]}.tmp")
+
+
+def temp_path(path: str) -> str:
+    """A fresh name beside ``path`` for a temp file to replace it atomically:
+    ``.<name>.tmp<pid>.<where>.<thread>.<random>``, distinct for every process (pid
+    namespace and machine included), thread and call. Create it with ``O_EXCL``."""
+    return (f"{_temp_stem(path)}{os.getpid()}.{_writer_tag()}.{threading.get_native_id()}."
+            f"{os.urandom(4).hex()}")
+
+
+def _temp_is_stale(name: str, tail: str, st: os.stat_result, now: float) -> bool:
+    """Whether the temp file ``name`` (``tail``: what follows ``.tmp``) is a dead writer's:
+    its process (of this machine, boot and pid namespace) is gone, or it is older than
+    ``TEMP_AGE``. Only regular files of this user qualify."""
+    m = _TEMP_TAIL.fullmatch(tail)
+    if m is None or not _stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    if now - st.st_mtime > TEMP_AGE:
+        return True
+    pid = int(m.group(1))
+    if m.group(2) != _writer_tag() or pid == os.getpid():
+        return False                    # another machine's or namespace's, or ours: unknown
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return False                # /proc shows another pid namespace: cannot check
+    except OSError:
+        return False
+    return not _running(pid)
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove the temp files of ``path`` (``.<name>.tmp…`` beside it) left by writers that
+    are gone (``_temp_is_stale``); return their names. Never raises: what cannot be
+    examined or removed stays."""
+    stem = _temp_stem(path)
+    d, prefix = os.path.split(stem)
+    removed: list[str] = []
+    now = time.time()
+    try:
+        with os.scandir(d) as entries:
+            names = [e.name for e in entries if e.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(d, name))
+            if _temp_is_stale(name, name[len(prefix):], st, now):
+                os.unlink(os.path.join(d, name))
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 _WRITE_NEW = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -263,7 +463,8 @@ def _write_marker(job_dir: str) -> bool:
     """Create chemio's marker in ``job_dir``; False when one is already there."""
     marker = {"magic": MARKER_MAGIC, "format": MARKER_FORMAT,
               "job": os.path.basename(job_dir), "host": socket.gethostname(),
-              "pid": os.getpid(), "uid": os.geteuid(), "created": time.time()}
+              "pid": os.getpid(), "pidns": _pid_namespace(), "boot_id": _boot_id(),
+              "token": os.urandom(8).hex(), "uid": os.geteuid(), "created": time.time()}
     try:
         fd = os.open(os.path.join(job_dir, MARKER_NAME), _WRITE_NEW | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -276,20 +477,30 @@ def _write_marker(job_dir: str) -> bool:
 
 
 def _make_private_dir(path: str) -> bool:
-    """Create a 0700 directory (True), or accept an existing real directory of ours (False)."""
+    """Create a 0700 directory (True), or accept an existing real directory of ours (False),
+    tightened to 0700 when others could enter it (a pre-created 0777 one)."""
     try:
         os.mkdir(path, 0o700)
         return True
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    if not _stat.S_ISDIR(st.st_mode):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
         raise OSError(errno.ENOTDIR, f"{path!r} exists and is not a directory (a symlink?); "
-                                     f"remove it or choose another CHEMIO_SCRATCH", path)
-    if st.st_uid != os.geteuid():
-        raise PermissionError(errno.EACCES, f"scratch directory {path!r} belongs to uid "
-                                            f"{st.st_uid}, not to you; choose another "
-                                            f"CHEMIO_SCRATCH", path)
+                                     f"remove it or choose another CHEMIO_SCRATCH", path) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(errno.EACCES, f"scratch directory {path!r} belongs to uid "
+                                                f"{st.st_uid}, not to you; choose another "
+                                                f"CHEMIO_SCRATCH", path)
+        if _stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)        # the very directory checked above, not a swapped one
+    finally:
+        os.close(fd)
     return False
 
 
@@ -310,12 +521,14 @@ def _join(path: str) -> bool:
 
 
 def job_dir(root: str, jobid: str | None = None) -> str:
-    """This job's directory under ``root``, created with this process's lease if needed."""
+    """This job's directory under ``root``, created with this process's lease if needed
+    (again when the lease went away, e.g. removed on SIGTERM by a process that goes on)."""
     root = os.path.abspath(root)
+    arm_sigterm_cleanup()
     with _lock:
         if jobid is None:
             d = _by_root.get(root)
-            if d is not None and os.path.isdir(d):
+            if d is not None and os.path.lexists(os.path.join(d, _lease_name())):
                 return d
         d = os.path.join(root, JOB_PREFIX + (jobid or job_id()))
         for attempt in range(_ATTEMPTS):
@@ -474,6 +687,156 @@ def cleanup() -> None:
 atexit.register(cleanup)
 
 
+# ---------------------------------------------------------------- SIGTERM
+
+SIBLING_WAIT = 3.0          # seconds a process that ends on SIGTERM waits for the others of
+                            # its job directories to remove their scratch first
+_HANDLER_SETTINGS = ("sigterm_cleanup", "keep")
+_HANDLER_VARS = tuple(config.SPECS[n].env for n in _HANDLER_SETTINGS)
+_handler_settings: dict[str, Any] = {"sigterm_cleanup": True, "keep": False}
+_handler_env: tuple = ()                # their environment variables when last read
+_in_sigterm_cleanup = False
+
+
+def _read_handler_settings(changes: Any = None, reset: bool = False) -> None:
+    """Read the settings the SIGTERM handler needs, outside the handler: it may not read
+    them itself (the code it interrupts may hold the settings lock). Runs when scratch is
+    created and after ``configure()`` changes them; an invalid value leaves the last one."""
+    global _handler_env
+    _handler_env = tuple(map(os.environ.get, _HANDLER_VARS))
+    for name in _HANDLER_SETTINGS:
+        try:
+            _handler_settings[name] = config.get(name)
+        except config.ConfigError:
+            pass
+
+
+config.on_change(_HANDLER_SETTINGS, _read_handler_settings)
+
+
+def _running(pid: int) -> bool:
+    """True when ``pid`` is a live process (a zombie, or no such pid, is not)."""
+    try:
+        state = _read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _others_running(path: str, host: str, me: int) -> bool:
+    """True while a lease in job directory ``path`` names another live process of ``host``."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    for n in names:
+        if n.startswith(LEASE_PREFIX):
+            lease_host, _, pid = n[len(LEASE_PREFIX):].rpartition(".")
+            if lease_host == host and pid.isdigit() and int(pid) != me and _running(int(pid)):
+                return True
+    return False
+
+
+def _wait_for_others(left: list[_JobDir], limit: float) -> None:
+    """Wait, ``limit`` seconds at most, until no other live process of this host holds a
+    lease in the job directories ``left``, then remove those that are empty but for the
+    marker. The ranks of a job get SIGTERM together, and a launcher such as hydra kills the
+    remaining ranks the moment one ends: the first to finish its cleanup would cut the
+    others' short, or the last one's removal of the directory after its lease."""
+    host, me = _lease_host(), os.getpid()
+    deadline = time.monotonic() + limit
+    waiting = [j.path for j in left]
+    while waiting and time.monotonic() < deadline:
+        waiting = [d for d in waiting if _others_running(d, host, me)]
+        if waiting:
+            time.sleep(0.01)
+    for j in left:
+        if j.path not in waiting:
+            _leave_job_dir(j)           # our lease is gone already: the last one's steps
+
+
+def remove_scratch_now() -> list[_JobDir]:
+    """Remove this process's scratch from a signal handler (unless ``CHEMIO_KEEP`` as of the
+    last scratch creation or ``configure()``); return the job directories it left.
+
+    Unlike ``cleanup()`` it takes no lock (the interrupted code may hold one), closes
+    nothing, waits for no request and calls no backend code: it removes what this process
+    owns by path (unlinking a file that is open, or being written by an I/O thread, is
+    safe), then drops its leases. Persistent files are never touched."""
+    if _handler_settings["keep"]:
+        return []
+    pid = os.getpid()
+    owned = [p for p, (who, _) in _owned.copy().items() if who == pid]
+    dirs = [j for j in _job_dirs.copy().values() if j.pid == pid]
+    for path in owned:
+        try:
+            remove_path(path)
+        except Exception:           # noqa: BLE001 - one failure never stops the rest
+            pass
+    for j in dirs:
+        _leave_job_dir(j)
+    return dirs
+
+
+class SigtermCleanup:
+    """chemio's SIGTERM handler: ``remove_scratch_now()``, then the handler it replaced.
+
+    That handler (``previous``) is called next, and when it returns so does this one: the
+    process goes on. When it was the default action, the process waits briefly for the
+    other processes of its job directories (``SIBLING_WAIT``), restores the default and
+    sends itself SIGTERM, so that it ends as "killed by SIGTERM" as it would have without
+    chemio."""
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+
+    def __repr__(self) -> str:
+        return f"<chemio_py scratch cleanup on SIGTERM, then {self.previous!r}>"
+
+    def __call__(self, signum: int, frame: Any) -> Any:
+        global _in_sigterm_cleanup
+        if _in_sigterm_cleanup:         # another SIGTERM (launchers may send two): the
+            return None                 # first one goes on
+        _in_sigterm_cleanup = True
+        left: list[_JobDir] = []
+        try:
+            if _handler_settings["sigterm_cleanup"]:
+                left = remove_scratch_now()
+        except Exception:               # noqa: BLE001 - the process still ends (or goes on)
+            pass
+        if callable(self.previous):
+            _in_sigterm_cleanup = False
+            return self.previous(signum, frame)
+        _wait_for_others(left, SIBLING_WAIT)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)          # not reached: the signal ended the process
+
+
+def arm_sigterm_cleanup() -> None:
+    """Install ``SigtermCleanup`` for SIGTERM, from the main thread, when the
+    ``sigterm_cleanup`` setting is on and SIGTERM has the default action or a handler set
+    from Python (which it then chains to). An ignored SIGTERM, or a handler set outside
+    Python, is left alone. Called whenever scratch is about to be created, never at import:
+    a handler set after chemio's is wrapped at the next creation."""
+    current = signal.getsignal(signal.SIGTERM)
+    if isinstance(current, SigtermCleanup):
+        if _handler_env != tuple(map(os.environ.get, _HANDLER_VARS)):
+            _read_handler_settings()
+        return
+    if current is None or current == signal.SIG_IGN \
+            or threading.current_thread() is not threading.main_thread():
+        return
+    if not config.get("sigterm_cleanup"):
+        return
+    _read_handler_settings()
+    try:
+        signal.signal(signal.SIGTERM, SigtermCleanup(current))
+    except ValueError:                  # not the main interpreter: no handlers here
+        pass
+
+
 # ---------------------------------------------------------------- space and file systems
 
 @dataclass(frozen=True)
@@ -525,8 +888,9 @@ def check_space(path: str, needed: int, what: str = "reserve", free: int | None 
     """Raise ``OutOfSpaceError`` up front when ``needed`` bytes do not fit where ``path`` lives."""
     if needed <= 0:
         return
-    if free is None:
-        free = stat(path).free
+    if free is None:                    # one statvfs: no mount-table scan, no realpath
+        st = os.statvfs(_existing_ancestor(path))
+        free = st.f_bavail * st.f_frsize
     if needed > free:
         raise OutOfSpaceError(path, needed, free, what=what)
 
@@ -594,7 +958,9 @@ def _read_record(path: str, limit: int = RECORD_LIMIT) -> tuple[bytes, os.stat_r
 
 
 def _parse_lease(data: bytes) -> dict:
-    lease = json.loads(data)
+    """The checked content of a lease; ``ValueError`` (``MetadataError`` for what is not
+    JSON chemio reads: ``safejson``) saying what is wrong."""
+    lease = safejson.load(data, what="the lease", max_bytes=RECORD_LIMIT)
     if not isinstance(lease, dict):
         raise ValueError(f"a JSON {type(lease).__name__}, not an object")
     for key, types in (("host", str), ("pid", int), ("uid", int), ("boot_id", str)):
@@ -661,9 +1027,9 @@ def _marker_problem(d: str, here: _Here) -> str | None:
     if st.st_uid != here.uid:
         return f"its marker belongs to uid {st.st_uid}, not to you (uid {here.uid})"
     try:
-        m = json.loads(data)
-    except ValueError:
-        return f"its marker {MARKER_NAME} is not chemio's (not JSON)"
+        m = safejson.load(data, what=f"its marker {MARKER_NAME}", max_bytes=RECORD_LIMIT)
+    except MetadataError as e:
+        return f"{e}: it is not chemio's"
     if not isinstance(m, dict) or m.get("magic") != MARKER_MAGIC:
         return f"its marker {MARKER_NAME} is not chemio's (no chemio magic)"
     if m.get("format") != MARKER_FORMAT:
@@ -794,38 +1160,206 @@ def _removal_phase(name: str) -> int:
     return 2 if name == MARKER_NAME else 1 if name.startswith(LEASE_PREFIX) else 0
 
 
+# ---------------------------------------------------------------- removing trees
+#
+# Relative to open directory descriptors (``unlinkat``/``openat``), never through a symbolic
+# link (a link is removed itself), iteratively: a hostile tree thousands of levels deep
+# costs neither recursion nor one descriptor per level (at most ``MAX_OPEN_DIRS``; a level
+# whose descriptor was closed is reopened through ``..`` of its child and checked to be the
+# same directory, so nothing outside the tree is ever touched).
+
+MAX_OPEN_DIRS = 32
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _Level:
+    """One directory on the way down: its descriptor (-1 while closed), identity, name in
+    its parent, the subdirectories still to remove, and how many failures there were when
+    it was entered. (No path: a tree 100,000 levels deep would make them quadratic.)"""
+    __slots__ = ("fd", "dev", "ino", "name", "subdirs", "failed_before")
+
+    def __init__(self, fd: int, name: str, failed_before: int):
+        st = os.fstat(fd)
+        self.fd, self.dev, self.ino = fd, st.st_dev, st.st_ino
+        self.name, self.failed_before = name, failed_before
+        self.subdirs: list[str] = []
+
+
+def _path_of(where: str, stack: list, *more: str) -> str:
+    """The path of the directory on top of ``stack`` (``more`` names below it), for a
+    message."""
+    return os.path.join(where, *(level.name for level in stack[1:]), *more)
+
+
+def _empty_files(where: str, stack: list, failures: list, keep: Any = None) -> None:
+    """Unlink every non-directory of the directory on top of ``stack`` (except names
+    ``keep`` is true for) and note its subdirectories in its ``subdirs``."""
+    level = stack[-1]
+    try:
+        with os.scandir(level.fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    except OSError as e:
+        failures.append((_path_of(where, stack), e))
+        return
+    for name, is_dir in entries:
+        if keep is not None and keep(name):
+            continue
+        if is_dir:
+            level.subdirs.append(name)
+            continue
+        try:
+            os.unlink(name, dir_fd=level.fd)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:               # replaced by a directory meanwhile
+            level.subdirs.append(name)
+        except OSError as e:
+            failures.append((_path_of(where, stack, name), e))
+
+
+def clear_dir_at(fd: int, where: str, failures: list, keep: Any = None) -> None:
+    """Remove everything in the open directory ``fd`` (path ``where``, for messages),
+    except the names in it that ``keep(name)`` is true for, however deep (see above).
+
+    Entries that vanish meanwhile are fine; every other failure is appended to
+    ``failures`` as ``(path, OSError)`` and the rest goes on (a directory is left when
+    something in it could not be removed). ``fd`` stays open and is the caller's.
+    """
+    stack = [_Level(fd, "", len(failures))]
+    _empty_files(where, stack, failures, keep)
+    lowest_open = 1                 # stack[1:lowest_open] have their descriptors closed
+    try:
+        while True:
+            top = stack[-1]
+            if top.subdirs:
+                name = top.subdirs.pop()
+                try:
+                    cfd = os.open(name, _DIR_FLAGS, dir_fd=top.fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):    # now a link or a file
+                        _unlink_entry(top.fd, name, _path_of(where, stack, name), failures)
+                    else:
+                        failures.append((_path_of(where, stack, name), e))
+                    continue
+                try:
+                    stack.append(_Level(cfd, name, len(failures)))
+                except OSError as e:
+                    os.close(cfd)
+                    failures.append((_path_of(where, stack, name), e))
+                    continue
+                if len(stack) - lowest_open > MAX_OPEN_DIRS:
+                    os.close(stack[lowest_open].fd)
+                    stack[lowest_open].fd = -1
+                    lowest_open += 1
+                _empty_files(where, stack, failures)
+                continue
+            if len(stack) == 1:
+                return
+            parent = stack[-2]
+            if parent.fd < 0:
+                if not _reopen_parent(where, stack, failures):
+                    return                  # the tree moved under us: stop, touch nothing
+                lowest_open -= 1
+            stack.pop()
+            os.close(top.fd)
+            top.fd = -1
+            if len(failures) > top.failed_before:
+                continue                    # it cannot be empty: the failures say why
+            try:
+                os.rmdir(top.name, dir_fd=parent.fd)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                failures.append((_path_of(where, stack, top.name), e))
+    finally:
+        for level in stack[1:]:
+            if level.fd >= 0:
+                os.close(level.fd)
+                level.fd = -1
+
+
+def _reopen_parent(where: str, stack: list, failures: list) -> bool:
+    """Open the parent of the top of ``stack`` again, as ``..`` of the top; False (and a
+    failure) unless it is still the very directory it was."""
+    child, parent = stack[-1], stack[-2]
+    try:
+        fd = os.open("..", _DIR_FLAGS, dir_fd=child.fd)
+    except OSError as e:
+        failures.append((_path_of(where, stack[:-1]), e))
+        return False
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (parent.dev, parent.ino):
+        os.close(fd)
+        failures.append((_path_of(where, stack), OSError(
+            errno.ESTALE, "was moved out of the tree while it was being removed")))
+        return False
+    parent.fd = fd
+    return True
+
+
+def _unlink_entry(dir_fd: int, name: str, path: str, failures: list) -> None:
+    """Remove entry ``name`` of ``dir_fd``: a file or link, or a directory with all it holds."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        pass
+    except PermissionError as e:            # POSIX allows EPERM for a directory
+        try:
+            is_dir = _stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode)
+        except OSError:
+            is_dir = False
+        if not is_dir:
+            failures.append((path, e))
+            return
+    except OSError as e:
+        failures.append((path, e))
+        return
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        failures.append((path, e))
+        return
+    before = len(failures)
+    try:
+        clear_dir_at(fd, path, failures)
+    finally:
+        os.close(fd)
+    if len(failures) == before:
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failures.append((path, e))
+
+
 def _remove_tree(path: str) -> None:
     """Remove a job directory: data first, then leases, then the marker, then the directory.
 
-    Entries vanishing meanwhile are fine. When something cannot be removed, the leases and
-    the marker stay (a later ``chemio clean`` tries again) and ``StorageError`` says what.
+    However deep its tree (``clear_dir_at``). Entries vanishing meanwhile are fine. When
+    something cannot be removed, the leases and the marker stay (a later ``chemio clean``
+    tries again) and ``StorageError`` says what.
     """
     failures: list[tuple[str, BaseException]] = []
-
-    def onerror(func: Any, p: str, exc_info: Any) -> None:
-        if not isinstance(exc_info[1], FileNotFoundError):
-            failures.append((p, exc_info[1]))
-
     try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dfd = os.open(path, _DIR_FLAGS)
     except FileNotFoundError:
         return
     try:
-        names = os.listdir(dfd)
-        for phase in (0, 1, 2):
+        clear_dir_at(dfd, path, failures, keep=lambda n: _removal_phase(n) > 0)
+        for phase in (1, 2):
             if failures:
                 break
-            for n in (n for n in names if _removal_phase(n) == phase):
-                try:
-                    st = os.lstat(n, dir_fd=dfd)
-                    if _stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(n, dir_fd=dfd, onerror=onerror)
-                    else:
-                        os.unlink(n, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    failures.append((os.path.join(path, n), e))
+            for n in os.listdir(dfd):
+                if _removal_phase(n) == phase:
+                    _unlink_entry(dfd, n, os.path.join(path, n), failures)
     finally:
         os.close(dfd)
     if not failures:
@@ -839,8 +1373,9 @@ def _remove_tree(path: str) -> None:
         p, err = failures[0]
         code = getattr(err, "errno", None) or errno.EIO
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        shown = printable(p if len(p) <= 400 else f"{p[:150]}/.../{p[-200:]}")
         raise StorageError(code, path, None, None, "remove the stale job directory",
-                           f"{printable(p)}: {getattr(err, 'strerror', None) or err}{more}; fix "
+                           f"{shown}: {getattr(err, 'strerror', None) or err}{more}; fix "
                            f"that and run 'chemio clean' again") from err
 
 

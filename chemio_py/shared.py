@@ -83,6 +83,7 @@ class SharedFile(ByteFile):
                  backend: str | None = None, comm: Any = None):
         c = _resolve_comm(comm)
         what = f"SharedFile({name!r}) creation"
+        c.begin(f"SharedFile({name!r})")
         be: Any = None                      # these three: set under agreement below
         store: Any = None
         path: Any = None
@@ -166,6 +167,7 @@ class SharedFile(ByteFile):
                         tokened = False
                         _drop_token(be, path + _TOKEN_SUFFIX)
         except BaseException:
+            handles.abandon(path)           # another thread may create this name now
             if store is not None:
                 _backends.close_local(store)
             if tokened:
@@ -187,7 +189,11 @@ class SharedFile(ByteFile):
         self._replaced = False
         self._destroyed = False
         self._sf_path: str = path
-        super().__init__(store, be_name, "r+")
+        try:
+            super().__init__(store, be_name, "r+")
+        except BaseException:
+            handles.abandon(path)
+            raise
         handles.claim(path, self)
 
     def _supersede(self, reason: str) -> list[BaseException]:
@@ -240,6 +246,7 @@ class SharedFile(ByteFile):
         before the call durable and visible to every rank after it (MPI-IO's
         sync-barrier-sync; ``flush`` and a barrier on the other backends)."""
         c = self.comm
+        c.begin(f"SharedFile({self.name!r}).sync()")
         with c.agree(f"SharedFile({self.name!r}).sync()"):
             store = self._open_store()
             err = requests.failure(self.path, self._pending.drain())
@@ -262,6 +269,10 @@ class SharedFile(ByteFile):
         self._destroyed = True
         c = self.comm
         path = self.path
+        if c.broken is not None:            # out of step: no collective can complete
+            self._release()
+            return
+        c.begin(f"SharedFile({self.name!r}).destroy()")   # every rank is here before removal
         try:
             self.close()
         finally:
@@ -276,6 +287,10 @@ class SharedFile(ByteFile):
         on every rank. Idempotent (a handle closed already takes no part)."""
         if self._store is None:
             return
+        if self.comm.broken is not None:
+            self._release()
+            return
+        self.comm.begin(f"SharedFile({self.name!r}).close()")
         with self.comm.agree(f"SharedFile({self.name!r}).close()"):
             super().close()
 
