@@ -172,15 +172,14 @@ def _load_meta(be: Any, be_name: str, data: str, mpath: str) -> _meta.Meta:
 
 def _check_disjoint(c: Comm, region: tuple, what: str) -> None:
     """Collective: raise the same ``SectionError`` on every rank when the regions of two
-    ranks overlap (a collective write has no defined last writer)."""
-    boxes = np.array(c.allgather([(s.start, s.stop) for s in region]), dtype=np.int64)
-    lo, hi = boxes[:, :, 0], boxes[:, :, 1]
-    full = np.asarray((hi > lo).all(axis=1))     # (asarray: numpy's stubs say bool or array)
-    meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
-    meet &= full[:, None] & full[None, :]
-    np.fill_diagonal(meet, False)
-    if meet.any():
-        i, j = (int(k) for k in np.argwhere(meet)[0])
+    ranks overlap (a collective write has no defined last writer), naming the lowest such
+    pair. Per rank O(P·ndim) time and memory: each rank checks its own region against all
+    (``boxes.first_meeting``) and one ``allreduce`` shares the lowest pair."""
+    from . import boxes as _boxes
+    boxes = _boxes.unpack(c.allgather(_boxes.pack(region)))
+    pair = _boxes.pair_of(c.allreduce(_boxes.first_meeting(boxes, c.rank), op="min"), c.size)
+    if pair is not None:
+        i, j = pair
 
         def show(k: int) -> str:
             return "[" + ", ".join(f"{a}:{b}" for a, b in boxes[k]) + "]"
@@ -213,20 +212,32 @@ def _find(path: Any, backend: str | None) -> tuple[str, str, _meta.Meta]:
         return p, data, m
     mpath = p + META_SUFFIX
     if not os.path.lexists(mpath):
+        damage: MetadataError | None = None
         for name in ([backend] if backend else
                      _backends.serving(_backends.ArrayBackend)):
             try:
                 be = _backends.resolve(name)
             except ChemIOError:
                 continue
-            if isinstance(be, _backends.SelfDescribing) and be.recognizes(p):
+            if not isinstance(be, _backends.SelfDescribing):
+                continue
+            if be.recognizes(p):
                 return p, p, _described(be, name, p)
+            if damage is None and os.path.isdir(p):
+                try:                        # its own words on what is wrong inside
+                    return p, p, _described(be, name, p)
+                except MetadataError as e:
+                    damage = e
+                except OSError:
+                    pass
+        if damage is not None:
+            raise damage
         if os.path.lexists(p):
             raise MetadataError(
                 f"{p!r} has no metadata ({mpath!r} is missing) and no backend that reads "
-                f"arrays without it recognises it: an interrupted DiskArray.create leaves "
-                f"such a file; recreate the array with DiskArray.create(..., path={p!r}, "
-                f"overwrite=True) or remove it")
+                f"arrays without it recognises it. An interrupted DiskArray.create leaves "
+                f"such a file, but it may also be someone's data: look at it before you "
+                f"decide what to do with it")
     return mpath, p, _meta.load(mpath)
 
 
@@ -280,6 +291,7 @@ class DiskArray:
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.create({name!r})"
+        c.begin(what)
         be: Any = None                      # these four: set under agreement below
         store: Any = None
         data: Any = None
@@ -356,6 +368,7 @@ class DiskArray:
                     if c.rank == 0:
                         _record(be, m, data, mpath, keep, inside)
         except BaseException:
+            handles.abandon(data)           # another thread may create this name now
             if store is not None:
                 _backends.close_local(store)
             if created:
@@ -365,8 +378,12 @@ class DiskArray:
                 for p in {data, mpath}:
                     scratch.disown(p)
             raise
-        d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
-                meta_path=mpath, mode="r+", comm=c, owner=not keep)
+        try:
+            d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
+                    meta_path=mpath, mode="r+", comm=c, owner=not keep)
+        except BaseException:
+            handles.abandon(data)
+            raise
         handles.claim(data, d)
         return d
 
@@ -428,6 +445,7 @@ class DiskArray:
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.open({os.fspath(path)!r})"
+        c.begin(what)
         store = None
         try:
             with c.agree(what):
@@ -797,6 +815,7 @@ class DiskArray:
         """Collective read: every rank reads its own section (an empty one is fine)."""
         c = self._comm
         what = f"DiskArray {self.name!r} read_all"
+        c.begin(what + "()")
         with c.agree(what):
             region, target, out, back = self._prep_read(section, out, transpose)
         with c.agree(what):
@@ -810,6 +829,7 @@ class DiskArray:
         visible to every rank) when it returns. Bad input on any rank writes nothing."""
         c = self._comm
         what = f"DiskArray {self.name!r} write_all"
+        c.begin(what + "()")
         with c.agree(what):
             region, src = self._prep_write(section, data, transpose)
         if c.size > 1:
@@ -879,6 +899,10 @@ class DiskArray:
         if self._store is None:
             return
         c = self._comm
+        if c.broken is not None:            # out of step: no collective can complete
+            self._release()
+            return
+        c.begin(f"DiskArray {self.name!r} close()")
         try:
             with c.agree(f"DiskArray {self.name!r} close"):
                 err = self._release(together=True)
@@ -887,8 +911,7 @@ class DiskArray:
         finally:
             if self._owner and not self.persistent:
                 with c.agree(f"DiskArray {self.name!r} removal"):
-                    if c.rank == 0:
-                        self._remove_files()
+                    self._remove_files()
 
     def delete(self) -> None:
         """Collective: close the array and remove its data and metadata (persistent too)."""
@@ -896,19 +919,36 @@ class DiskArray:
             return
         self._deleted = True
         c = self._comm
+        if c.broken is not None:
+            self._release()
+            return
+        c.begin(f"DiskArray {self.name!r} delete()")
         try:
             self.close()
         finally:
             with c.agree(f"DiskArray {self.name!r} delete"):
-                if c.rank == 0:
-                    self._remove_files()
+                self._remove_files()
 
     def _remove_files(self) -> None:
-        for p in {self._meta_path, self._data_path}:
-            scratch.disown(p)
-        if self._meta_path != self._data_path:
-            scratch.remove_path(self._meta_path)    # the user layer wrote the metadata
-        self._be.remove(self._data_path)
+        """Collective (every rank calls it): remove the metadata (rank 0) and the data,
+        by all ranks together where the backend can (``CollectiveRemove``), else by
+        rank 0. Returns or raises on every rank only inside ``comm.agree``."""
+        c = self._comm
+        failed: list[BaseException] = []
+        if c.rank == 0:
+            for p in {self._meta_path, self._data_path}:
+                scratch.disown(p)
+            if self._meta_path != self._data_path:
+                try:
+                    scratch.remove_path(self._meta_path)    # the user layer wrote it
+                except OSError as e:                        # the data still goes
+                    failed.append(e)
+        if _backends.removes_together(self._be, c):
+            self._be.remove_all(self._data_path, c)
+        elif c.rank == 0:
+            self._be.remove(self._data_path)
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> "DiskArray":
         return self

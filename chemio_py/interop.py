@@ -50,6 +50,9 @@ def _slabs(shape: tuple, lo: int, hi: int, row_unit: int, itemsize: int,
 
 # ---------------------------------------------------------------- dask
 
+MAX_DASK_BLOCKS = 10_000_000           # tasks of one default to_dask graph, at most
+
+
 def dask_chunks(chunks: tuple, shape: tuple, itemsize: int,
                 target: int = DASK_CHUNK_BYTES) -> tuple[int, ...]:
     """Disk chunks grown by whole multiples, last axis first, to about ``target`` bytes."""
@@ -71,6 +74,14 @@ def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
     import dask.array as da
     if chunks is None:
         chunks = dask_chunks(d.chunks, d.shape, d.dtype.itemsize)
+        if 0 in d.shape:                    # no element: one block, however long the axes
+            chunks = tuple(max(n, 1) for n in d.shape)
+        blocks = math.prod(-(-n // c) for n, c in zip(d.shape, chunks))
+        if blocks > MAX_DASK_BLOCKS:
+            raise ArgumentError(
+                f"to_dask of DiskArray {d.name!r} (shape {d.shape}) with chunks {chunks} "
+                f"would make {blocks} dask tasks, more than {MAX_DASK_BLOCKS} that dask's "
+                f"scheduler can hold; pass larger chunks=")
     as_dask = getattr(getattr(d, "_store", None), "as_dask", None)
     if as_dask is not None:
         return as_dask(chunks)

@@ -129,3 +129,14 @@ def test_to_xarray_is_lazy_and_labelled(tmp_path, backend):
     with pytest.raises(ArgumentError, match="must name each of the 2 axes"):
         d.to_xarray(dims=("only",))
     d.delete()
+
+
+def test_to_dask_of_an_empty_array_with_a_huge_axis():
+    """Issue 27: shape (0, 10**18) gave an empty MemoryError (a graph of 10**11 blocks)."""
+    d = cio.DiskArray.create("empty_huge", (0, 10**18), "u1")
+    try:
+        x = d.to_dask()
+        assert x.shape == (0, 10**18) and x.npartitions == 1
+        assert int(x.sum().compute()) == 0
+    finally:
+        d.close()
