@@ -128,7 +128,8 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup",
 
 
 def chemio_usage(shm_dir: str) -> int:
-    """Bytes held by the files of chemio job directories (``chemio-*``) in ``shm_dir``."""
+    """Bytes held by the files of chemio job directories (``chemio-*``) in ``shm_dir``,
+    including the retired segments of re-created arrays that readers still map."""
     total = 0
     try:
         entries = list(os.scandir(shm_dir))

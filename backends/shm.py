@@ -21,9 +21,16 @@ Never a SIGBUS. A store never touches a page that is not backed:
 * A tmpfs file never has holes here (a read fault on a hole allocates a page too): growth
   allocates every byte up to the new end, and a writable open backs a sparse file first.
 
-Ownership: files are created ``O_EXCL`` (or reused after an exclusive-locked truncation for
-``w+``), mode 0600, in the job directory under the shm directory, so leases cover them and
-``chemio clean`` removes the segments of dead jobs. The user layer decides who removes them.
+Ownership: files are created ``O_EXCL`` (a byte file opened ``w+`` is reused after an
+exclusive-locked truncation, as ``O_TRUNC`` does on disk), mode 0600, in the job directory
+under the shm directory, so leases cover them and ``chemio clean`` removes the segments of
+dead jobs. The user layer decides who removes them.
+
+Re-creating an array (``open_array`` with ``w+``) makes a new segment: the old one is
+renamed out of the way (:func:`retire`), so processes that still map it read the old array,
+never the new bytes under the old shape. While a reader keeps it, the retired segment stays
+in the job directory, where the RAM budget counts it; the last reader's ``close`` removes it
+(:func:`reap_retired`), or else the next re-create of the name or its creator's cleanup.
 
 The parts live in modules of their own: the mmap window in ``shm_map``, the locks in
 ``shm_lock``, the RAM budget in ``ram_budget``; this module holds the stores (byte and
@@ -34,6 +41,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import threading
 from typing import Any
 
@@ -68,6 +76,7 @@ class ShmByteStore:
         self._gate = _Gate(fd)
         self._grow_lock = threading.Lock()
         st = os.fstat(fd)
+        self._ino = st.st_ino               # names the segment once retired (re-created)
         self._win: _Window | None = _map(fd, st.st_size, writable)
         # A read fault on a hole of a tmpfs file allocates a page (and can SIGBUS when RAM
         # is short). Writable stores never have holes; a read-only store of a sparse file
@@ -303,6 +312,10 @@ class ShmByteStore:
             os.close(fd)                    # drops the presence lock and any flock
         finally:
             self._gate.leave_excl()
+        try:                                # the last reader of a re-created array's old
+            reap_retired(retired_path(self.path, self._ino), self._ino)   # segment frees it
+        except OSError:
+            pass
 
     def __del__(self):
         try:
@@ -434,6 +447,89 @@ class ShmArrayStore:
 
 # ---------------------------------------------------------------- opening
 
+RETIRED_TAG = ".retired-"
+
+
+def retired_path(path: str, ino: int) -> str:
+    """The name under which the old segment (inode ``ino``) of a re-created array at
+    ``path`` waits for its last reader: hidden, in the same directory."""
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}{RETIRED_TAG}{ino}")
+
+
+def reap_retired(retired: str, ino: int | None = None) -> bool:
+    """Remove the retired segment ``retired`` (of inode ``ino``, if given) when no open
+    holds it; True when it is gone. Every open holds a presence lock, so a failed attempt
+    means a reader is still there, and its ``close`` attempts again."""
+    try:
+        fd = os.open(retired, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+            return False
+        if not _ofd_lock(fd, fcntl.F_WRLCK, wait=False):
+            return False
+        try:
+            if os.lstat(retired).st_ino == st.st_ino:
+                os.unlink(retired)
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
+    _forget_budget()
+    return True
+
+
+def _remove_retired(retired: str) -> bool:
+    """Cleanup of a retired segment by its creator: readers still mapping it keep it."""
+    gone = scratch.remove_path(retired)
+    _forget_budget()
+    return gone
+
+
+def retire(path: str) -> None:
+    """Move the segment at ``path`` out of the way of a new array there (``w+``).
+
+    Processes that map the old segment keep reading it. In a job directory of this process
+    it is renamed to :func:`retired_path` (the RAM budget counts it while readers keep it)
+    and removed now if no one has it open, else by its last reader's ``close``, the next
+    re-create of ``path`` or this process's cleanup; elsewhere it is unlinked (the kernel
+    frees it with its last mapping). A symbolic link is removed; anything else in the way
+    is a ``StorageError``."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and scratch.in_job_dir(path):
+            retired = retired_path(path, st.st_ino)
+            os.rename(path, retired)
+            ino = os.lstat(retired).st_ino
+            if ino != st.st_ino:            # replaced between lstat and rename: name it right
+                os.rename(retired, retired_path(path, ino))
+            d, base = os.path.split(path)
+            prefix = f".{base}{RETIRED_TAG}"
+            for name in os.listdir(d):      # this one, and any whose reader was killed
+                if name.startswith(prefix) and not reap_retired(os.path.join(d, name)):
+                    scratch.own(os.path.join(d, name), _remove_retired)
+        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            os.unlink(path)
+        else:
+            raise StorageError(errno.EEXIST, path, None, None, "create the array",
+                               "something that is not a regular file is in the way; remove "
+                               "it or choose another name")
+    except FileNotFoundError:
+        return                              # nothing there (any more)
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(e.errno, path, None, None, "move the old array out of the way") \
+            from e
+    finally:
+        _forget_budget()
+
+
 def open_segment(path: str, mode: str, perms: int = 0o600) -> tuple[int, bool]:
     """Open (creating per ``mode``) a segment file; returns (fd, created). The fd holds a
     presence lock; ``w+`` on an existing file empties it once no process is inside."""
@@ -562,14 +658,20 @@ class ShmBackend:
         """Open the RAM segment of an array in the raw grid format (``chemio_py.layout``).
 
         ``w+``/``x+`` create it at its full size, every byte allocated after a RAM-budget
-        check (``OutOfSpaceError`` now, not a SIGBUS later); ``r``/``r+`` require exactly
-        the array's size. ``reserve`` is accepted for compatibility (RAM is always reserved).
+        check (``OutOfSpaceError`` now, not a SIGBUS later); ``w+`` makes a new segment,
+        retiring an old one (:func:`retire`) whose readers keep its data. ``r``/``r+``
+        require exactly the array's size. ``reserve`` is accepted for compatibility (RAM is
+        always reserved).
         """
         from chemio_py.errors import MetadataError
         from chemio_py.layout import Layout
+        if mode not in _MODES:
+            raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
         dt = np.dtype(dtype)
         layout = Layout(shape, chunks, dt.itemsize)
-        fd, created = open_segment(path, mode, perms)
+        if mode == "w+":
+            retire(path)
+        fd, created = open_segment(path, "x+" if mode == "w+" else mode, perms)
         seg = None
         try:
             seg = ShmByteStore(path, fd, mode != "r")
