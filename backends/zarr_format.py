@@ -1,13 +1,18 @@
 """The Zarr v3 on-disk format, as the ``zarr`` backend reads and writes it.
 
-* ``zarr.json``: parsed and checked as untrusted input (``parse``), written atomically
-  (``write_meta``). Created arrays use the regular chunk grid, the default chunk-key
-  encoding (``c/i/j``), fill value 0 and the codecs ``bytes`` (little endian) + optional
-  ``zstd``/``blosc``, or ``sharding_indexed`` holding inner chunks with those codecs and an
-  index coded ``bytes`` + ``crc32c``.
+* ``zarr.json``: read with bounded size, nesting and numbers (``loads_bounded``, through
+  ``chemio_py.safejson``), parsed and checked as untrusted input (``parse``), written
+  atomically (``write_meta``). Created
+  arrays use the regular chunk grid, the default chunk-key encoding (``c/i/j``), fill value 0
+  and the codecs ``bytes`` (little endian) + optional ``zstd``/``blosc``, or
+  ``sharding_indexed`` holding inner chunks with those codecs and an index coded ``bytes`` +
+  ``crc32c``.
 * Codec pipelines with numcodecs (``Pipeline``): one chunk from its padded array to its
-  stored bytes and back; the decoded size is checked, so a hostile chunk cannot inflate.
-* Shard indexes (``encode_shard``/``read_index``): little-endian uint64 (offset, nbytes)
+  stored bytes and back. Every decoder is bounded before it allocates: a stage never
+  produces more than its input can legitimately have held (``grown``), the last exactly
+  the chunk's size, so a hostile object cannot inflate (zstd frames are walked block by
+  block, gzip is inflated with a length cap, a blosc header must state the right size).
+* Shard indexes (``encode_shard``/``parse_index``): little-endian uint64 (offset, nbytes)
   per inner chunk in C order, empty = (2^64-1, 2^64-1), then the crc32c of those bytes.
 
 Anything this module does not understand raises ``MetadataError`` naming it.
@@ -20,16 +25,21 @@ import math
 import os
 import stat as _stat
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from chemio_py import safejson
 from chemio_py.errors import MetadataError, StorageError
 from chemio_py.ownfiles import write_all
 
+from .posix import DIR_FLAGS
+
 META_NAME = "zarr.json"
 MAX_META_BYTES = 1 << 20            # a zarr.json larger than this is refused unread
+MAX_META_DEPTH = 64                 # nesting of objects and lists in a zarr.json
 MAX_NDIM = 32
 MAX_NBYTES = 1 << 60                # the array (as chemio_py.meta)
 MAX_OBJECT_BYTES = 1 << 32          # one stored object, decoded (it is held in memory)
@@ -43,6 +53,7 @@ _BLOSC_CNAMES = ("blosclz", "lz4", "lz4hc", "zlib", "zstd", "snappy")
 _TOP_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
              "chunk_key_encoding", "fill_value", "codecs", "attributes",
              "storage_transformers", "dimension_names"}
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def _crc32c_impl():
@@ -70,6 +81,12 @@ def crc32c(data: Any) -> int:
 
 # ---------------------------------------------------------------- codecs
 
+def grown(n: int) -> int:
+    """The most bytes any supported codec (zstd, blosc, gzip, crc32c) turns ``n`` bytes
+    into: a decoder stage may yield at most this from what was once ``n`` bytes."""
+    return n + n // 64 + 1024
+
+
 class _Codec:
     """A bytes-to-bytes codec of a pipeline (compression, checksum)."""
 
@@ -79,9 +96,10 @@ class _Codec:
     def encode(self, buf: Any) -> Any:
         raise NotImplementedError
 
-    def decode(self, buf: Any, nbytes: int | None, out: Any = None) -> Any:
-        """Decode ``buf``; with ``nbytes`` the result must have that length (``out`` of that
-        length is filled when the codec can check the size first)."""
+    def decode(self, buf: Any, size: int, exact: bool, out: Any = None) -> Any:
+        """Decode ``buf`` into at most ``size`` bytes (exactly ``size`` when ``exact``; then
+        ``out``, a writable byte array of ``size`` bytes, is filled when given), refusing
+        with ``ValueError`` before allocating more than ``size`` bytes."""
         raise NotImplementedError
 
     def doc(self) -> dict:
@@ -89,47 +107,206 @@ class _Codec:
             else {"name": self.name}
 
 
-def _zstd_content_size(buf: Any) -> int | None:
-    """The decoded size a zstd frame header states, or None when it states none."""
-    mv = memoryview(buf).cast("B")
-    if len(mv) < 6 or bytes(mv[:4]) != b"\x28\xb5\x2f\xfd":
-        return None
-    fhd = mv[4]
-    fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
-    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
-    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    if size == 0 or len(mv) < pos + size:
-        return None
-    v = int.from_bytes(mv[pos:pos + size], "little")
-    return v + 256 if size == 2 else v
+def _expect(got_lo: int, got_hi: int, size: int, exact: bool) -> None:
+    """Refuse a decoded size range [got_lo, got_hi] that cannot meet ``size``."""
+    if got_lo > size or (exact and got_hi < size):
+        have = f"{got_lo}" if got_lo == got_hi else f"{got_lo} to {got_hi}"
+        want = f"{size}" if exact else f"at most {size}"
+        raise ValueError(f"its header says it decodes to {have} bytes, expected {want}")
 
 
-def _blosc_content_size(buf: Any) -> int | None:
-    """The decoded size a blosc header states (bytes 4-8, little endian)."""
-    mv = memoryview(buf).cast("B")
-    return int.from_bytes(mv[4:8], "little") if len(mv) >= 16 else None
+def _target(size: int, out: Any) -> Any:
+    return out if out is not None else np.empty(size, np.uint8)
 
 
-class _Numcodec(_Codec):
-    def __init__(self, name: str, config: dict, codec: Any, size_of: Any = None):
-        self.name, self.config, self._c, self._size_of = name, config, codec, size_of
+# ---- zstd: frames walked block by block (RFC 8878), so sizes are known before decoding
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_ZSTD_BLOCK_MAX = 1 << 17
+
+
+def _zstd_frames(mv: memoryview, size: int) -> list:
+    """``(start, end, stated size or None, least, most)`` of each zstd frame in ``mv``
+    (skippable frames left out): the bytes it decodes to lie in [least, most]. Raises
+    ``ValueError`` on a malformed frame or on more blocks than ``size`` bytes justify."""
+    frames: list = []
+    pos, n = 0, len(mv)
+    blocks_left = size // 256 + 256
+    while pos < n:
+        if n - pos < 8:
+            raise ValueError(f"a zstd frame header at byte {pos} is cut short")
+        magic = bytes(mv[pos:pos + 4])
+        if magic[1:] == b"\x2a\x4d\x18" and magic[0] & 0xF0 == 0x50:     # skippable
+            skip = int.from_bytes(mv[pos + 4:pos + 8], "little")
+            if pos + 8 + skip > n:
+                raise ValueError(f"a skippable zstd frame at byte {pos} runs past the end")
+            pos += 8 + skip
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise ValueError(f"no zstd frame at byte {pos} (magic {magic.hex()})")
+        start = pos
+        fhd = mv[pos + 4]
+        fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
+        if fhd & 0x08:
+            raise ValueError(f"the zstd frame at byte {pos} sets a reserved bit")
+        pos += 5
+        window = 0
+        if not single:
+            wd = mv[pos]
+            log = 10 + (wd >> 3)
+            window = (1 << log) + ((1 << log) >> 3) * (wd & 7)
+            pos += 1
+        pos += (0, 1, 2, 4)[dict_flag]
+        fcs_bytes = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if pos + fcs_bytes > n:
+            raise ValueError(f"the zstd frame header at byte {start} is cut short")
+        stated = None
+        if fcs_bytes:
+            stated = int.from_bytes(mv[pos:pos + fcs_bytes], "little") + \
+                (256 if fcs_bytes == 2 else 0)
+            window = stated
+        pos += fcs_bytes
+        block_max = min(window, _ZSTD_BLOCK_MAX)
+        least = most = 0
+        while True:
+            if pos + 3 > n:
+                raise ValueError(f"the zstd frame at byte {start} ends inside a block header")
+            blocks_left -= 1
+            if blocks_left < 0:
+                raise ValueError(f"more zstd blocks than {size} bytes need")
+            head = int.from_bytes(mv[pos:pos + 3], "little")
+            last, kind, bsize = head & 1, (head >> 1) & 3, head >> 3
+            pos += 3
+            if kind == 0:                       # raw
+                pos += bsize
+                least += bsize
+                most += bsize
+            elif kind == 1:                     # one byte repeated bsize times
+                pos += 1
+                least += bsize
+                most += bsize
+            elif kind == 2:                     # compressed: at most one block
+                pos += bsize
+                most += block_max
+            else:
+                raise ValueError(f"the zstd frame at byte {start} has a reserved block type")
+            if pos > n:
+                raise ValueError(f"the zstd frame at byte {start} is cut short")
+            if last:
+                break
+        pos += 4 if checksum else 0
+        if pos > n:
+            raise ValueError(f"the zstd frame at byte {start} is cut short")
+        if stated is not None:
+            if not least <= stated <= most:
+                raise ValueError(f"the zstd frame at byte {start} states {stated} bytes but "
+                                 f"its blocks hold {least} to {most}")
+            least = most = stated
+        frames.append((start, pos, stated, least, most))
+    return frames
+
+
+class _Zstd(_Codec):
+    name = "zstd"
+
+    def __init__(self, config: dict, codec: Any):
+        self.config, self._c = config, codec
 
     def encode(self, buf: Any) -> Any:
         return self._c.encode(buf)
 
-    def decode(self, buf: Any, nbytes: int | None, out: Any = None) -> Any:
-        if nbytes is not None and out is not None and self._size_of is not None:
+    def decode(self, buf: Any, size: int, exact: bool, out: Any = None) -> Any:
+        mv = memoryview(buf).cast("B")
+        frames = _zstd_frames(mv, size)
+        least = sum(f[3] for f in frames)
+        most = sum(f[4] for f in frames)
+        _expect(least, most, size, exact)
+        if not exact:
+            if least != most:
+                raise ValueError("a zstd frame without a stated size inside a codec chain")
+            size, out = least, None
+        dest = _target(size, out)
+        at = 0
+        for k, (start, end, _stated, lo, hi) in enumerate(frames):
+            if lo == hi:
+                n = lo
+            elif k == len(frames) - 1:
+                n = size - at
+            else:
+                raise ValueError("a zstd frame without a stated size is followed by another")
+            if not lo <= n <= hi or at + n > size:
+                raise ValueError(f"the zstd frames hold more than {size} bytes")
+            if n:   # into exactly n bytes: numcodecs refuses more and (unstated) fewer
+                self._c.decode(mv[start:end], out=dest[at:at + n])
+            at += n
+        if at != size:
+            raise ValueError(f"decoded to {at} bytes, expected {size}")
+        return dest
+
+
+class _Blosc(_Codec):
+    name = "blosc"
+
+    def __init__(self, config: dict, codec: Any):
+        self.config, self._c = config, codec
+
+    def encode(self, buf: Any) -> Any:
+        return self._c.encode(buf)
+
+    def decode(self, buf: Any, size: int, exact: bool, out: Any = None) -> Any:
+        mv = memoryview(buf).cast("B")
+        if len(mv) < 16:
+            raise ValueError(f"{len(mv)} bytes are too few for a blosc header")
+        nbytes, blocksize, cbytes = struct.unpack("<III", mv[4:16])
+        _expect(nbytes, nbytes, size, exact)
+        if cbytes != len(mv):
+            raise ValueError(f"its blosc header says {cbytes} stored bytes, the object holds "
+                             f"{len(mv)}")
+        if blocksize > max(nbytes, 1):
+            raise ValueError(f"its blosc header has blocks of {blocksize} bytes for "
+                             f"{nbytes} bytes")
+        dest = _target(nbytes, out if exact else None)
+        if nbytes:
+            self._c.decode(mv, out=dest)
+        return dest
+
+
+class _Gzip(_Codec):
+    name = "gzip"
+
+    def __init__(self, config: dict, codec: Any):
+        self.config, self._c = config, codec
+
+    def encode(self, buf: Any) -> Any:
+        return self._c.encode(buf)
+
+    def decode(self, buf: Any, size: int, exact: bool, out: Any = None) -> Any:
+        rest: Any = memoryview(buf).cast("B")
+        parts: list = []
+        total = 0
+        while True:                     # members one after another, as gzip.GzipFile reads
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
             try:
-                stated = self._size_of(buf)
-            except Exception:
-                stated = None
-            if stated == nbytes:
-                self._c.decode(buf, out=out)
-                return out
-        got = self._c.decode(buf)
-        if nbytes is not None and memoryview(got).nbytes != nbytes:
-            raise ValueError(f"decoded to {memoryview(got).nbytes} bytes, expected {nbytes}")
-        return got
+                part = d.decompress(rest, size - total + 1)
+            except zlib.error as e:
+                raise ValueError(f"gzip: {e}") from None
+            total += len(part)
+            if total > size:
+                raise ValueError(f"it inflates to more than the {size} bytes expected")
+            parts.append(part)
+            if not d.eof:
+                raise ValueError("the gzip stream is cut short")
+            rest = d.unused_data
+            if not rest.strip(b"\0"):  # zero padding after the last member is allowed
+                break
+        if exact and total != size:
+            raise ValueError(f"decoded to {total} bytes, expected {size}")
+        dest = _target(total, out if exact else None)
+        at = 0
+        for part in parts:
+            dest[at:at + len(part)] = np.frombuffer(part, np.uint8)
+            at += len(part)
+        return dest
 
 
 class _Crc32c(_Codec):
@@ -142,18 +319,17 @@ class _Crc32c(_Codec):
         b = bytes(memoryview(buf).cast("B"))
         return b + struct.pack("<I", crc32c(b))
 
-    def decode(self, buf: Any, nbytes: int | None, out: Any = None) -> Any:
+    def decode(self, buf: Any, size: int, exact: bool, out: Any = None) -> Any:
         mv = memoryview(buf).cast("B")
         if len(mv) < 4:
             raise ValueError("shorter than its crc32c checksum")
         body = mv[:-4]
+        _expect(len(body), len(body), size, exact)
         want = struct.unpack("<I", mv[-4:])[0]
         got = crc32c(body)
         if got != want:
             raise ValueError(f"crc32c checksum mismatch (stored {want:#010x}, "
                              f"computed {got:#010x})")
-        if nbytes is not None and len(body) != nbytes:
-            raise ValueError(f"holds {len(body)} bytes, expected {nbytes}")
         return body
 
 
@@ -173,8 +349,8 @@ def make_codec(doc: Any, itemsize: int, where: str) -> _Codec:
         checksum = conf.get("checksum", False)
         if not isinstance(checksum, bool):
             raise MetadataError(f"{where}: zstd checksum must be true or false, got {checksum!r}")
-        return _Numcodec(name, {"level": level, "checksum": checksum},
-                         numcodecs.Zstd(level=level, checksum=checksum), _zstd_content_size)
+        return _Zstd({"level": level, "checksum": checksum},
+                     numcodecs.Zstd(level=level, checksum=checksum))
     if name == "blosc":
         _only(conf, {"typesize", "cname", "clevel", "shuffle", "blocksize"}, name, where)
         cname = conf.get("cname", "zstd")
@@ -189,13 +365,12 @@ def make_codec(doc: Any, itemsize: int, where: str) -> _Codec:
         blocksize = _int(conf.get("blocksize", 0), 0, 1 << 31, f"{where}: blosc blocksize")
         c = numcodecs.Blosc(cname=cname, clevel=clevel, shuffle=_BLOSC_SHUFFLE[shuffle],
                             blocksize=blocksize, typesize=typesize)
-        return _Numcodec(name, {"typesize": typesize, "cname": cname, "clevel": clevel,
-                                "shuffle": shuffle, "blocksize": blocksize}, c,
-                         _blosc_content_size)
+        return _Blosc({"typesize": typesize, "cname": cname, "clevel": clevel,
+                       "shuffle": shuffle, "blocksize": blocksize}, c)
     if name == "gzip":
         _only(conf, {"level"}, name, where)
         level = _int(conf.get("level", 6), 0, 9, f"{where}: gzip level")
-        return _Numcodec(name, {"level": level}, numcodecs.GZip(level=level))
+        return _Gzip({"level": level}, numcodecs.GZip(level=level))
     if name == "crc32c":
         _only(conf, set(), name, where)
         return _Crc32c()
@@ -244,7 +419,8 @@ class Pipeline:
 
     def decode(self, buf: Any, out: np.ndarray) -> np.ndarray:
         """Decode stored bytes ``buf`` into the C-contiguous chunk ``out``; ValueError if
-        they do not decode to exactly ``out.nbytes`` bytes."""
+        they do not decode to exactly ``out.nbytes`` bytes. No stage allocates more than
+        its output may legitimately hold (``bound``)."""
         n = out.nbytes
         flat = out.reshape(-1).view(np.uint8)
         if not self.codecs:
@@ -255,7 +431,7 @@ class Pipeline:
         else:
             for k in range(len(self.codecs) - 1, -1, -1):
                 last = k == 0
-                buf = self.codecs[k].decode(buf, n if last else None, flat if last else None)
+                buf = self.codecs[k].decode(buf, self.bound(n, k), last, flat if last else None)
             if buf is not flat:
                 got = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
                 if got.size != n:
@@ -264,6 +440,14 @@ class Pipeline:
         if self.endian == "big" and out.dtype.itemsize > 1:
             out.byteswap(inplace=True)
         return out
+
+    def bound(self, n: int, stages: int | None = None) -> int:
+        """The most bytes a chunk of ``n`` bytes can have after the first ``stages`` codecs
+        (all of them when None): what is stored, or what a decoding stage may yield."""
+        k = len(self.codecs) if stages is None else stages
+        for _ in range(k):
+            n = grown(n)
+        return n
 
     def docs(self) -> list:
         return [{"name": "bytes", "configuration": {"endian": self.endian}}] + \
@@ -308,6 +492,7 @@ class Shard:
     index_crc: bool = True
     index_at_end: bool = True
     per_axis: tuple = ()             # inner chunks per shard along each axis
+    inner_bound: int = 0             # the most bytes one stored inner chunk can have
 
     @property
     def count(self) -> int:
@@ -344,6 +529,17 @@ class ZarrMeta:
             return self.separator.join(map(str, index)) if index else "0"
         return self.separator.join(("c",) + tuple(map(str, index)))
 
+    @property
+    def stored_bound(self) -> int:
+        """The most bytes one stored object of this array can hold (larger is damage):
+        its chunk encoded by the worst case of its codecs, or a shard's index plus every
+        inner chunk at its worst case, with room for gaps other writers may leave."""
+        sh = self.shard
+        if sh is None:
+            return self.pipeline.bound(math.prod(self.chunks) * self.dtype.itemsize)
+        tight = sh.index_nbytes + sh.count * sh.inner_bound
+        return tight + tight // 4 + (1 << 20)
+
 
 def _shape(v: Any, lo: int, what: str) -> tuple:
     if not isinstance(v, list) or len(v) > MAX_NDIM:
@@ -355,32 +551,48 @@ _SPECIAL = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-
 
 
 def _fill_value(v: Any, dt: np.dtype, where: str) -> np.ndarray:
+    """The ``fill_value`` as a 0-d array of ``dt`` (``MetadataError`` when it does not fit:
+    out of range, a bad ``"0x…"`` bit pattern, the wrong type)."""
+    def bad(why: str) -> MetadataError:
+        return MetadataError(f"{where}: fill_value {v!r:.80} {why}")
+
     def real(x: Any, t: np.dtype) -> Any:
         if isinstance(x, str) and x in _SPECIAL and t.kind == "f":
             return _SPECIAL[x]
         if isinstance(x, str) and x.startswith("0x") and t.kind == "f":
-            raw = bytes.fromhex(x[2:])
-            if len(raw) != t.itemsize:
-                raise MetadataError(f"{where}: fill_value {x!r} has the wrong length for {t}")
-            return np.frombuffer(raw[::-1], t)[0]
+            digits = x[2:]
+            if len(digits) != 2 * t.itemsize or \
+                    any(c not in "0123456789abcdefABCDEF" for c in digits):
+                raise bad(f"is not a bit pattern of {t} (\"0x\" and {2 * t.itemsize} hex "
+                          f"digits)")
+            return np.frombuffer(bytes.fromhex(digits)[::-1], t)[0]
         if t.kind == "b":
             if not isinstance(x, bool):
-                raise MetadataError(f"{where}: fill_value of a bool array must be true/false")
+                raise bad("of a bool array must be true or false")
             return x
         if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise MetadataError(f"{where}: fill_value {x!r:.80} does not fit data type {t}")
+            raise bad(f"does not fit data type {t}")
         if t.kind in "iu" and (not isinstance(x, int) or not np.iinfo(t).min <= x
                                <= np.iinfo(t).max):
-            raise MetadataError(f"{where}: fill_value {x!r} does not fit data type {t}")
+            raise bad(f"does not fit data type {t}")
+        if t.kind == "f":
+            info = np.finfo(t)
+            if not math.isfinite(x) or not -float(info.max) <= float(x) <= float(info.max):
+                raise bad(f"is outside the range of {t}")
         return x
-    if dt.kind == "c":
-        if not isinstance(v, list) or len(v) != 2:
-            raise MetadataError(f"{where}: fill_value of a complex array must be [re, im]")
-        part = np.dtype(f"f{dt.itemsize // 2}")
-        val = complex(real(v[0], part), real(v[1], part))
-    else:
-        val = real(v, dt)
-    return np.array(val, dtype=dt)
+    try:
+        if dt.kind == "c":
+            if not isinstance(v, list) or len(v) != 2:
+                raise bad("of a complex array must be [re, im]")
+            part = np.dtype(f"f{dt.itemsize // 2}")
+            val = complex(real(v[0], part), real(v[1], part))
+        else:
+            val = real(v, dt)
+        return np.array(val, dtype=dt)
+    except (OverflowError, ValueError, TypeError) as e:
+        if isinstance(e, MetadataError):
+            raise
+        raise bad(f"does not fit data type {dt} ({e})") from None
 
 
 def parse(doc: Any, where: str) -> ZarrMeta:
@@ -468,7 +680,8 @@ def _parse_shard(conf: dict, chunks: tuple, itemsize: int, where: str) -> Shard:
     if loc not in ("end", "start"):
         raise MetadataError(f"{w}: index_location {loc!r} is not 'start' or 'end'")
     assert names is not None                # ok above implies it
-    return Shard(inner, pipe, len(names) == 2, loc == "end", per)
+    return Shard(inner, pipe, len(names) == 2, loc == "end", per,
+                 pipe.bound(math.prod(inner) * itemsize))
 
 
 def build_doc(shape: tuple, dtype: np.dtype, chunks: tuple, compressor: dict | None,
@@ -532,13 +745,44 @@ def read_meta(path: str) -> ZarrMeta:
     return parse(load_doc(path), os.path.join(path, META_NAME))
 
 
+def read_meta_at(dir_fd: int, path: str) -> ZarrMeta:
+    """``read_meta`` of the array directory open as ``dir_fd`` (``path`` names it)."""
+    return parse(load_doc_at(dir_fd, path), os.path.join(path, META_NAME))
+
+
+def open_dir(path: str) -> int:
+    """A descriptor of the array directory ``path`` (the last component never a link);
+    ``MetadataError`` when it is missing or not a directory."""
+    try:
+        return os.open(path, DIR_FLAGS)
+    except FileNotFoundError:
+        raise MetadataError(f"{os.path.join(path, META_NAME)!r} is missing: {path!r} does "
+                            f"not exist, so it is not a Zarr v3 array") from None
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            try:
+                what = "a symbolic link" if _stat.S_ISLNK(os.lstat(path).st_mode) else \
+                    "not a directory"
+            except OSError:
+                what = "not a directory"
+            raise MetadataError(f"{path!r} is {what}, so not a Zarr array") from None
+        raise StorageError(e.errno, path, None, None, "open the array directory") from e
+
+
 def load_doc(path: str) -> Any:
+    """The JSON document of ``<path>/zarr.json`` (``loads_bounded``), unchecked."""
+    fd = open_dir(path)
+    try:
+        return load_doc_at(fd, path)
+    finally:
+        os.close(fd)
+
+
+def load_doc_at(dir_fd: int, path: str) -> Any:
+    """``load_doc`` of the array directory open as ``dir_fd`` (``path`` names it)."""
     mpath = os.path.join(path, META_NAME)
     try:
-        st = os.lstat(path)
-        if not _stat.S_ISDIR(st.st_mode):
-            raise MetadataError(f"{path!r} is not a directory, so not a Zarr array")
-        fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(META_NAME, _OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise MetadataError(f"{mpath!r} is missing: {path!r} is not a Zarr v3 array") from None
     except OSError as e:
@@ -548,46 +792,75 @@ def load_doc(path: str) -> Any:
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
-            raise MetadataError(f"{mpath!r} is not a regular file")
+            raise MetadataError(f"Zarr metadata {mpath!r} is {_kind(st.st_mode)}, not a "
+                                f"regular file")
         if st.st_size > MAX_META_BYTES:
-            raise MetadataError(f"{mpath!r} has {st.st_size} bytes, more than the "
-                                f"{MAX_META_BYTES} a zarr.json may have here")
+            raise MetadataError(f"Zarr metadata {mpath!r} has {st.st_size} bytes, more than "
+                                f"the {MAX_META_BYTES} a zarr.json may have here")
         raw = os.read(fd, MAX_META_BYTES + 1)
+    except OSError as e:
+        raise StorageError(e.errno, mpath, None, None, "read") from e
     finally:
         os.close(fd)
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise MetadataError(f"{mpath!r} is not valid JSON ({e}); restore it or recreate "
-                            f"the array") from None
+    return loads_bounded(raw, mpath)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+def _kind(mode: int) -> str:
+    for test, what in ((_stat.S_ISDIR, "a directory"), (_stat.S_ISFIFO, "a FIFO"),
+                       (_stat.S_ISSOCK, "a socket"), (_stat.S_ISCHR, "a character device"),
+                       (_stat.S_ISBLK, "a block device"), (_stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def loads_bounded(raw: bytes, where: str) -> Any:
+    """The JSON document in ``raw``, parsed by ``chemio_py.safejson`` within its limits
+    (size ``MAX_META_BYTES``, nesting ``MAX_META_DEPTH``, bounded integers, finite floats,
+    no NaN/Infinity); anything else is a ``MetadataError`` that names ``where`` and what
+    is wrong (never advice to overwrite or remove it: it may hold someone's array)."""
+    if len(raw) > MAX_META_BYTES:
+        raise MetadataError(f"Zarr metadata {where!r} has more than {MAX_META_BYTES} bytes")
+    if not raw.strip():
+        raise MetadataError(f"Zarr metadata {where!r} is empty")
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(raw) > 1 and b"\0" in raw[:4]):
+        raise MetadataError(f"Zarr metadata {where!r} is not UTF-8 text (UTF-16?)")
+    return safejson.load(raw, what=f"Zarr metadata {where!r}", max_bytes=MAX_META_BYTES,
+                         max_depth=MAX_META_DEPTH, error=MetadataError)
 
 
 def write_meta(path: str, doc: dict, perms: int) -> None:
     """Write ``<path>/zarr.json`` atomically (temporary name, then rename)."""
-    data = json.dumps(doc, indent=2).encode()
+    data = json.dumps(doc, indent=2, allow_nan=False).encode()
     write_atomic(path, META_NAME, data, perms)
 
 
 def write_atomic(dirpath: str, name: str, data: Any, perms: int) -> None:
     """Replace ``dirpath/name`` with ``data`` (temporary file in the same directory,
     ``os.replace``): a reader sees the old bytes or the new, never a mix."""
-    tmp = os.path.join(dirpath, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    target = os.path.join(dirpath, name)
+    fd = open_dir(dirpath)
+    try:
+        write_atomic_at(fd, name, data, perms)
+    finally:
+        os.close(fd)
+
+
+def write_atomic_at(dir_fd: int, name: str, data: Any, perms: int) -> None:
+    """``write_atomic`` into the directory open as ``dir_fd``: the temporary file is
+    created there with ``O_EXCL | O_NOFOLLOW`` and renamed within it, so nothing outside
+    that directory is ever written whatever its path now resolves to."""
+    tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 perms)
+                 perms, dir_fd=dir_fd)
     try:
         try:
             write_all(fd, data)
         finally:
             os.close(fd)
-        os.replace(tmp, target)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
         raise
@@ -648,4 +921,9 @@ def parse_index(raw: Any, shard: Shard, size: int, where: str) -> np.ndarray:
         raise MetadataError(f"{where}: the shard index entry {k} points to bytes "
                             f"[{int(off[k])}, {int(off[k]) + int(ln[k])}) outside the shard's "
                             f"data [{lo}, {hi}); the shard is corrupt")
+    if shard.inner_bound and l_.size and (l_ > shard.inner_bound).any():
+        k = int(np.flatnonzero(full)[np.flatnonzero(l_ > shard.inner_bound)[0]])
+        raise MetadataError(f"{where}: the shard index entry {k} gives inner chunk {k} "
+                            f"{int(ln[k])} bytes, more than any inner chunk of this array "
+                            f"can have ({shard.inner_bound}); the shard is corrupt")
     return idx

@@ -8,6 +8,14 @@
 * A **RecordFile**: its commit slots, the index of the commit it opens at (trailer, CRC,
   page table inside the file), every page (readable, decompresses, CRC), every record
   (parses, the count matches the index).
+* A **Zarr v3 array** (a directory holding ``zarr.json``: a DiskArray on the ``zarr``
+  backend, or any Zarr v3 array): its metadata (parsed within bounds, as the backend
+  reads it; a chemio document among its attributes must agree), then every stored object
+  read and decoded as a reader would, bounded to its size: shard indexes and their CRC32C,
+  every inner chunk decoding to exactly its size, ``crc32c`` codecs checked (always: only
+  decoding finds damage in compressed objects, so ``--read`` adds nothing here). Entries
+  in the array's directory that are no object of it are listed as notes (one where a key
+  directory belongs is a problem: readers refuse it).
 
 Nothing is trusted: files are opened without following links and without blocking (a
 FIFO or a link to ``/dev/zero`` is reported, not read), and every size read from a file is
@@ -42,9 +50,10 @@ from .ownfiles import NotARegularFile, kind, open_regular, read_small
 MAX_PROBLEMS = 50                 # listed one by one; the rest are counted
 MAX_ZERO_SCAN_CHUNKS = 1 << 20    # --read counts all-zero chunks up to this many chunks
 BLOCK = 4 << 20
-DESCRIPTION = ("verify a persistent DiskArray (data file or .json metadata) or a RecordFile "
-               "without trusting it; exit status 0: fine, 1: something is wrong (each "
-               "problem named), 2: the path is missing or not a chemio file")
+DESCRIPTION = ("verify a persistent DiskArray (data file or .json metadata), a Zarr v3 array "
+               "(its directory) or a RecordFile without trusting it; exit status 0: fine, "
+               "1: something is wrong (each problem named), 2: the path is missing or not "
+               "a chemio file")
 _EXPECTED = (ChemIOError, OSError, ValueError, MemoryError, OverflowError)
 
 
@@ -235,6 +244,99 @@ def _read_chunks(rep: Report, fd: int, path: str, m: Any, progress: Any = False)
                              f"written with zeros): fine, unwritten elements read as zero")
 
 
+# ---------------------------------------------------------------- Zarr v3 arrays
+
+ZARR_META = "zarr.json"
+
+
+def _is_zarr_dir(path: str) -> bool:
+    """Whether directory ``path`` is meant to be a Zarr v3 array: it holds a ``zarr.json``
+    entry (whatever its state) or is named ``*.zarr``."""
+    return path.endswith(".zarr") or os.path.lexists(os.path.join(path, ZARR_META))
+
+
+def check_zarr(rep: Report, path: str, progress: Any = False) -> None:
+    """Check the Zarr v3 array at directory ``path`` (see the module docstring)."""
+    from .backends.zarr_format import compressor_of, read_meta
+    rep.kind = "Zarr v3 array"
+    mpath = os.path.join(path, ZARR_META)
+    try:
+        be = _zarr_backend()
+    except ChemIOError as e:
+        rep.usage_error = f"{path!r} is a Zarr array, but it cannot be checked here: {e}"
+        return
+    try:
+        m = read_meta(path)
+    except _EXPECTED as e:
+        rep.bad(f"metadata: {e}")
+        return
+    comp = compressor_of(m)
+    rep.ok(f"metadata {mpath!r}: a valid Zarr v3 array (shape {list(m.shape)}, dtype "
+           f"{m.dtype}, chunks {list(m.chunks)}"
+           + (f", shards of inner chunks {list(m.shard.inner)}" if m.shard else "") + ")")
+    rep.facts.update({"shape": list(m.shape), "dtype": str(m.dtype), "chunks": list(m.chunks),
+                      "codecs": "none" if comp is None else comp["id"],
+                      "nbytes": math.prod(m.shape) * m.dtype.itemsize})
+    if m.shard is not None:
+        rep.facts["inner_chunks"] = list(m.shard.inner)
+    if isinstance(m.attributes.get("chemio"), dict):
+        try:
+            _meta.from_description(be.describe(path), path, "zarr", "zarr-v3")
+        except _EXPECTED as e:
+            rep.bad(f"chemio's metadata among the attributes of {mpath!r}: {e}")
+        else:
+            rep.ok("chemio's metadata among its attributes: valid and agrees with the array")
+    try:
+        store = be.open_array(path, "r", shape=m.shape, dtype=m.dtype, chunks=m.chunks)
+    except _EXPECTED as e:
+        rep.bad(f"the array cannot be opened: {e}")
+        return
+    _check_zarr_objects(rep, store, m, path, progress)
+
+
+def _zarr_backend() -> Any:
+    """The ``zarr`` backend (``BackendUnavailableError`` when it cannot run here)."""
+    from . import backends
+    return backends.resolve("zarr")
+
+
+def _check_zarr_objects(rep: Report, store: Any, m: Any, path: str, progress: Any) -> None:
+    grid = m.grid
+    total = math.prod(grid)
+    strays: list = []
+    stored = damaged = nbytes = 0
+    try:
+        with Progress(progress, None, f"check {os.path.basename(path)}") as bar:
+            try:
+                for index in store.stored_objects(strays):
+                    try:
+                        n = store.verify_object(index)
+                    except _EXPECTED as e:
+                        damaged += 1
+                        rep.bad(str(e))
+                        continue
+                    stored += n > 0
+                    nbytes += n
+                    bar.update(n)
+            except _EXPECTED as e:
+                rep.bad(f"the array directory {path!r} could not be walked: {e}")
+    finally:
+        store.close()
+    rep.facts["objects"] = f"{stored + damaged} stored of {total}"
+    rep.facts["stored_bytes"] = nbytes
+    what = "shard index and its CRC32C checked, every inner chunk" if m.shard is not None \
+        else "each"
+    if not damaged:
+        rep.ok(f"objects: all {stored} stored read and decoded ({what} to exactly its size); "
+               f"the {total - stored} not stored read as the fill value")
+    for where, why, serious in strays:
+        text = f"{where!r} is {why}" if where else why
+        if serious:
+            rep.bad(text)
+        else:
+            rep.notes.append(text)
+
+
 # ---------------------------------------------------------------- RecordFile
 
 def check_recordfile(rep: Report, path: str, fd: int, size: int,
@@ -379,6 +481,12 @@ def check_path(path: str, read_all: bool = False, progress: Any = False) -> Repo
     except OSError as e:
         rep.usage_error = f"{path!r} cannot be examined: {e}"
         return rep
+    if _stat.S_ISDIR(st.st_mode) and _is_zarr_dir(ap):
+        check_zarr(rep, ap, progress)
+        return rep
+    if _stat.S_ISREG(st.st_mode) and os.path.basename(ap) == ZARR_META:
+        check_zarr(rep, os.path.dirname(ap), progress)
+        return rep
     if not _stat.S_ISREG(st.st_mode):
         what = kind(st.st_mode)
         hint = ""
@@ -433,15 +541,16 @@ def _looks_like_records(fd: int, size: int) -> bool:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``check`` sub-command to the ``chemio`` parser's subparsers."""
-    p = subparsers.add_parser("check", help="verify a persistent DiskArray or a RecordFile",
+    p = subparsers.add_parser("check", help="verify a persistent DiskArray, a Zarr array or a "
+                              "RecordFile",
                               description=DESCRIPTION)
     _arguments(p)
     return p
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a DiskArray data file (.dra), its metadata (.dra.json), or "
-                   "a RecordFile")
+    p.add_argument("path", help="a DiskArray data file (.dra), its metadata (.dra.json), a "
+                   "Zarr v3 array (its directory), or a RecordFile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--read", action="store_true", help="DiskArray: also read every byte "
                    "and count the all-zero chunks")
