@@ -12,8 +12,20 @@ waiting for one of the engine's requests takes it and reaps in its own thread, s
 is woken by the kernel directly, with no hand-off through another thread; the reaper thread
 collects only while nobody waits (and for ``GRACE`` seconds after a wait, so that a loop
 that submits and waits in turn keeps the token to itself). Whoever delivers does so under
-the reaper's thread name (the trace track of the I/O, what callbacks see), and in the main
-thread with KeyboardInterrupt held back until the engine's bookkeeping is consistent.
+the reaper's thread name (the trace track of the I/O, what callbacks see).
+
+Interrupts. Completions that ``io_getevents`` returned are gone from the kernel: if a
+signal handler that raises (Ctrl-C's, a SIGALRM timeout's, any) cut the delivery short,
+their requests would never complete and their waiters would wait forever. So in the main
+thread, the only one that runs signal handlers, every piece of the engine's bookkeeping
+(submitting, reaping and delivering, taking and giving back the token) runs under a
+deferring shield (``requests.shielded``): no handler runs inside it, the handlers run
+when it ends and what they raise propagates from there, or, for a submission, once the
+request is registered with its file (``requests.shielded_start``). Every wait in the
+kernel has a timeout and is followed by a look at the request's state, so a waiter never
+depends on a count of completions still to come. A request that an interrupt still
+separates from its caller (one arriving on the way out) completes all the same, and
+``settle_descriptor`` lets a store that closes its descriptor wait for it.
 
 ``engine()`` returns the process's engine, or None where the kernel or architecture lacks
 AIO (the callers then use the pool).
@@ -24,7 +36,6 @@ import ctypes
 import errno
 import os
 import platform
-import signal
 import threading
 import time
 from typing import Any, Callable
@@ -32,11 +43,6 @@ from typing import Any, Callable
 import numpy as np
 
 from chemio_py import requests
-
-try:                        # the C module: signal's wrappers convert to enums, 10x slower
-    import _signal as _sig  # type: ignore[import-not-found]
-except ImportError:         # pragma: no cover - other Pythons
-    _sig = signal
 
 # io_setup, io_destroy, io_getevents, io_submit
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
@@ -50,7 +56,6 @@ IDLE_WAIT_NS = 50_000_000  # its longest wait for one (then it gives the token b
 WAITER_WAIT_NS = 20_000_000    # a waiter's longest single io_getevents (it then looks again)
 GRACE = 0.001              # seconds the reaper leaves the token alone after a wait ends
 TOKEN_POLL = 0.0002        # a waiter without the token looks again this often
-_SIGINT = int(signal.SIGINT)
 _TRACK = "chemio-aio"      # the thread name completions are delivered under (trace track)
 # Request states (chemio_py.requests): a native request is under way from the start
 _RUNNING, _DONE = requests._RUNNING, requests._DONE
@@ -163,7 +168,6 @@ class Engine:
         self._idle_wait = ctypes.byref(_Timespec(0, IDLE_WAIT_NS))
         self._waiter_wait = ctypes.byref(_Timespec(WAITER_WAIT_NS // 10**9,
                                                    WAITER_WAIT_NS % 10**9))
-        self._main = threading.main_thread().ident     # where signal handlers run
         self._reaper = threading.Thread(target=self._reap_loop, name=_TRACK, daemon=True)
         self._reaper.start()
 
@@ -177,8 +181,8 @@ class Engine:
         ``keep`` (the buffer) stays referenced until completion. Returns None when the
         kernel refuses the request or all slots are in use (the caller then uses the pool).
         """
-        return self._guarded(self._submit, write, fd, address, nbytes, offset, keep, then,
-                             stats)
+        return requests.shielded_start(self._submit, write, fd, address, nbytes, offset,
+                                       keep, then, stats)
 
     def _submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
                 keep: Any, then: Callable, stats: Any) -> requests.Request | None:
@@ -218,8 +222,8 @@ class Engine:
         errno. Returns None (nothing queued) when there are not enough free blocks or the
         kernel refuses the first block: the caller then moves the data another way.
         """
-        return self._guarded(self._submit_many, write, fd, addresses, sizes, offsets, keep,
-                             then, stats)
+        return requests.shielded_start(self._submit_many, write, fd, addresses, sizes,
+                                       offsets, keep, then, stats)
 
     def _submit_many(self, write: bool, fd: int, addresses: Any, sizes: Any, offsets: Any,
                      keep: Any, then: Callable, stats: Any) -> requests.Request | None:
@@ -351,33 +355,13 @@ class Engine:
             return n
         return -ctypes.get_errno() if n < 0 else 0
 
-    def _guarded(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` with KeyboardInterrupt (SIGINT's handler) held back until it
-        returns, in the main thread: an interrupt inside the engine's bookkeeping (between
-        taking the token and giving it back, between collecting completions and delivering
-        them, between taking a block and submitting it) would leak it for good and leave
-        requests that never complete."""
-        if threading.get_ident() != self._main:
-            return fn(*args)
-        handler = _sig.getsignal(_SIGINT)
-        if not callable(handler):
-            return fn(*args)
-        held: list = []
-        _sig.signal(_SIGINT, lambda signum, frame: held.append(frame))
-        try:
-            return fn(*args)
-        finally:
-            _sig.signal(_SIGINT, handler)
-            if held:
-                handler(_SIGINT, held[0])
-
     def _wait(self, req: _Req, deadline: float | None) -> bool:
         """Reap in this thread until ``req`` is complete (or ``deadline`` passes)."""
         waiting = self._waiting
         try:
             waiting.append(None)            # list append/pop: atomic, no lock needed
             while req._state < _DONE:
-                n = self._guarded(self._wait_step, req, deadline)
+                n = requests.shielded(self._wait_step, req, deadline)
                 if n is None:               # another thread reaps: for us too, or it stops
                     if req._lock.acquire(timeout=TOKEN_POLL):
                         req._lock.release()
@@ -388,8 +372,11 @@ class Engine:
         finally:
             waiting.pop()
             self._last_wait = time.perf_counter()
-        if req._state < _DONE:
-            left = -1 if deadline is None else max(0.0, deadline - time.perf_counter())
+        while req._state < _DONE:          # another thread reaps (or no context here)
+            left = requests.POLL if deadline is None else min(
+                requests.POLL, deadline - time.perf_counter())
+            if left < 0:
+                break
             if req._lock.acquire(timeout=left):
                 req._lock.release()
         return req._state >= _DONE
@@ -437,7 +424,7 @@ class Engine:
         """Complete the transfers that have finished, in the calling thread; returns how
         many. A consumer that polls before it waits needs no hand-off to the reaper
         thread, which beside compute on every core may wait for a time slice."""
-        return self._guarded(self._poll_step) if self._busy else 0
+        return requests.shielded(self._poll_step) if self._busy else 0
 
     def _poll_step(self) -> int:
         if not self._token.acquire(False):
@@ -451,6 +438,17 @@ class Engine:
     def in_flight(self) -> int:
         with self._lock:
             return self._busy
+
+    def requests_on(self, fd: int) -> list[requests.Request]:
+        """The requests with a transfer on descriptor ``fd`` still in flight."""
+        with self._lock:
+            found: list[requests.Request] = [
+                req for slot, req in enumerate(self._entries)
+                if req is not None and self._cbs[slot].fildes == fd]
+            for b, owner in enumerate(self._gowner):
+                if owner is not None and int(self._gwords[b, 0, 2]) >> 32 == fd:
+                    found.append(owner[0])
+        return found
 
 
 _engine: list[Engine | None] = []
@@ -472,6 +470,18 @@ def engine() -> Engine | None:
                     eng = None
             _engine.append(eng)
         return _engine[0]
+
+
+def settle_descriptor(fd: int | None) -> None:
+    """Wait until no transfer on descriptor ``fd`` is in flight, whatever happens meanwhile
+    (``requests.settle``): for a store about to close or sync it. This also covers a
+    request that an interrupt separated from its caller after it was submitted."""
+    eng = _engine[0] if _engine else None
+    if eng is None or fd is None or fd < 0:
+        return
+    reqs = eng.requests_on(fd)
+    if reqs:
+        requests.settle(reqs)
 
 
 def _after_fork_in_child() -> None:

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+import numpy.ctypeslib  # noqa: F401 - imported lazily, it races between pool threads
 
 from chemio_py import config, scratch
 from chemio_py.layout import c_strides
@@ -375,7 +376,13 @@ class LocalByteStore(_PosixFile):
         """Pass an access-pattern hint (normal, sequential, random, willneed, dontneed)."""
         os.posix_fadvise(self._fd, offset, length, _ADVICE[advice])
 
+    def flush(self) -> None:
+        """Make written data durable (fdatasync), O_DIRECT writes in flight included."""
+        linux_aio.settle_descriptor(self._dfd)     # (also one an interrupt cut off)
+        super().flush()
+
     def close(self) -> None:
+        linux_aio.settle_descriptor(self._dfd)     # no transfer may outlive the close
         for name in ("_dfd", "_fd"):
             fd = getattr(self, name)
             if fd is not None and fd >= 0:
@@ -892,11 +899,17 @@ class LocalArrayStore(_PosixFile):
         return segs if lens.size and lens.sum() < _BIG_SEGMENT * lens.size else None
 
     def _map_writes_safe(self) -> bool:
+        """Whether writes through the mapping overwrite allocated blocks in place (the
+        file is fully allocated on a file system that does so); found once per store, by
+        one ``fstat`` and one ``fstatfs`` of the descriptor."""
         if self._map_write_ok is None:
             ok = False
             try:
                 allocated = os.fstat(self._fd).st_blocks * 512 >= self.layout.nbytes
-                ok = allocated and scratch.fstype(self.path) in _IN_PLACE_FS
+                if allocated:
+                    kind = posix.fs_type(self._fd)
+                    ok = (kind if kind is not None else scratch.fstype(self.path)) \
+                        in _IN_PLACE_FS
             except OSError:
                 pass
             self._map_write_ok = ok
@@ -1121,6 +1134,7 @@ class LocalArrayStore(_PosixFile):
         super().evict()
 
     def close(self) -> None:
+        linux_aio.settle_descriptor(self._region_dfd)      # no region read outlives it
         with _maps_lock:
             _drop_map(id(self))
         dfd, self._region_dfd = self._region_dfd, -1

@@ -20,6 +20,10 @@ Contract (every pipeline here):
 * leaving early (``break``, an exception in the loop body, ``close()``, the end of a
   ``with`` block) cancels requests not started and waits for the ones running: nothing
   stays in flight;
+* an interrupt (Ctrl-C, any signal handler that raises) inside a step or a ``close()``
+  reaches the consumer, and the pipeline is then over; ``close()`` returns only once no
+  request is in flight (one cut short by a second interrupt is finished by the next
+  ``close()``: a ``with`` block's, or the collector's);
 * ``depth=0`` is synchronous (each read completes before it is yielded) and
   ``CHEMIO_SYNC=1`` forces depth 0 everywhere;
 * counters per pipeline (``.stats``; ``cio.report()`` shows the totals): time in I/O,
@@ -157,51 +161,62 @@ class Pipeline:
         return self
 
     def _issue(self) -> bool:
-        try:
-            key = next(self._keys)
-        except StopIteration:
-            self._exhausted = True
-            return False
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._bufs)
-        buf = self._bufs[slot]
-        if buf is None:
-            buf = self._bufs[slot] = self._make_buffer()
-        op = _Op(key, slot)
-        op.t_issue = time.perf_counter()
-        req, own, out, nbytes = self._start(key, buf)
-        op.req, op.own, op.out, op.nbytes = req, own, out, nbytes
-        self._ring.append(op)
+        """Start the read of the next key; False when there is none. The read is started
+        and put in the ring under a shield: an interrupt can never leave a read in flight
+        that the ring (and so ``close()``) does not know."""
+        with requests.shield():
+            try:
+                key = next(self._keys)
+            except StopIteration:
+                self._exhausted = True
+                return False
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % len(self._bufs)
+            buf = self._bufs[slot]
+            if buf is None:
+                buf = self._bufs[slot] = self._make_buffer()
+            op = _Op(key, slot)
+            op.t_issue = time.perf_counter()
+            req, own, out, nbytes = self._start(key, buf)
+            op.req, op.own, op.out, op.nbytes = req, own, out, nbytes
+            self._ring.append(op)
         req.add_done_callback(op.mark_done)
         return True
 
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
+        try:
+            return self._step()
+        except StopIteration:
+            raise
+        except BaseException:
+            self._closed = True     # no step after this one, even if the close is cut short
+            self.close()
+            raise
+
+    def _step(self) -> Any:
+        """One step: keep ``depth`` reads in flight, wait for the oldest and hand it out.
+        A read stays in the ring until its outcome is taken, so whatever interrupts a step,
+        ``close()`` finds every read still in flight."""
         t_enter = time.perf_counter()
         if self._t_yield is not None:
             self.stats.computed(self._t_yield, t_enter)
             self._t_yield = None
-        try:
-            if self._ramp:
-                ramp, self._ramp = self._ramp, 0
-                if self.depth and self._issue():
-                    for slot in range(1, min(ramp, len(self._bufs))):
-                        if self._bufs[slot] is None:
-                            self._bufs[slot] = self._make_buffer()
-                    _quiet_wait(self._ring[0].req)     # its outcome: below, as any other
-            while len(self._ring) <= self.depth and not self._exhausted:
-                if not self._issue():
-                    break
-            if not self._ring:
-                self.close()
-                raise StopIteration
-            op = self._ring.popleft()
-        except StopIteration:
-            raise
-        except BaseException:
+        if self._ramp:
+            ramp, self._ramp = self._ramp, 0
+            if self.depth and self._issue():
+                for slot in range(1, min(ramp, len(self._bufs))):
+                    if self._bufs[slot] is None:
+                        self._bufs[slot] = self._make_buffer()
+                _quiet_wait(self._ring[0].req)     # its outcome: below, as any other
+        while len(self._ring) <= self.depth and not self._exhausted:
+            if not self._issue():
+                break
+        if not self._ring:
             self.close()
-            raise
+            raise StopIteration
+        op = self._ring[0]
         error: BaseException | None = None
         try:
             value = op.req.wait()
@@ -209,6 +224,7 @@ class Pipeline:
             error, value = e, None
         t_end = time.perf_counter()
         if error is None:
+            self._ring.popleft()
             if op.out is not None:
                 item = op.out
             else:
@@ -220,10 +236,7 @@ class Pipeline:
         self.stats.op_done((op.nbytes or 0) if error is None else 0, op.t_issue,
                            max(op.t_done or t_end, t_end), t_end - w0, w0, op.slot)
         if error is not None:
-            if not op.req.done():       # interrupted while waiting: let close() wait for it
-                self._ring.appendleft(op)
-            self.close()
-            raise error
+            raise error             # (__next__ closes: it waits for the read, still in the ring)
         self._t_yield = time.perf_counter()
         return item
 
@@ -232,18 +245,20 @@ class Pipeline:
         """Stop: cancel reads not started, wait for running ones, release the buffers.
 
         Only requests the pipeline submitted itself are cancelled; a request made by the
-        reader (which may stand for several I/O calls) is waited for.
+        reader (which may stand for several I/O calls) is waited for. Idempotent, and an
+        interrupt at any moment leaves the reads still in flight in the ring: the next
+        ``close()`` (a ``with`` block's, the collector's) finishes the job.
         """
-        if self._closed:
-            return
         self._closed = True
-        ring, self._ring = self._ring, collections.deque()
-        for op in ring:
-            if op.own is not None:
-                op.own.cancel()
-        for op in ring:
-            _quiet_wait(op.req)
-            op.req.observed()       # read-ahead dropped by the pipeline: nobody needs it
+        ring = self._ring
+        if ring:
+            for op in ring:
+                if op.own is not None:
+                    op.own.cancel()
+            requests.settle([op.req for op in ring])
+            for op in ring:
+                op.req.observed()   # read-ahead dropped by the pipeline: nobody needs it
+            ring.clear()
         if self._t_yield is not None:
             self.stats.computed(self._t_yield, time.perf_counter())
             self._t_yield = None
@@ -478,20 +493,24 @@ class WriteBehind:
                 self._error = exc
 
     def _wait_oldest(self, w0: float | None = None) -> None:
-        op = self._ops.popleft()
+        """Wait for the oldest write; it stays queued until its outcome is recorded."""
+        op = self._ops[0]
         w0 = time.perf_counter() if w0 is None else w0
         _quiet_wait(op.req)
-        self._finish(op, time.perf_counter() - w0, w0)
+        with requests.shield(defer=True):      # recorded and dequeued, whole
+            self._finish(op, time.perf_counter() - w0, w0)
+            self._ops.popleft()
 
     def _reap(self) -> None:
         if any(op.req.done() for op in self._ops):
-            keep: collections.deque[_Op] = collections.deque()
-            for op in self._ops:
-                if op.req.done():
-                    self._finish(op)
-                else:
-                    keep.append(op)
-            self._ops = keep
+            with requests.shield(defer=True):
+                keep: collections.deque[_Op] = collections.deque()
+                for op in self._ops:
+                    if op.req.done():
+                        self._finish(op)
+                    else:
+                        keep.append(op)
+                self._ops = keep
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -520,10 +539,11 @@ class WriteBehind:
         op.nbytes = nbytes if nbytes is not None else sum(
             _nbytes(a) for a in args if isinstance(a, (np.ndarray, bytes, bytearray, memoryview)))
         op.t_issue = time.perf_counter()
-        req = _as_request(fn(*args))
-        op.req = req
+        with requests.shield():     # started and queued, whole: close() waits for it
+            req = _as_request(fn(*args))
+            op.req = req
+            self._ops.append(op)
         req.add_done_callback(op.mark_done)
-        self._ops.append(op)
         if self.depth == 0:
             self._wait_oldest(op.t_issue)
             self._raise_if_failed()
