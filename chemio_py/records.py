@@ -59,7 +59,7 @@ from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
-from . import reprs, requests, stats
+from . import reprs, requests, safejson, stats
 from .errors import (ArgumentError, ChemIOError, CompressorUnavailableError,  # noqa: F401
                      LimitExceededError, MetadataError, ModeError)
 from .exclusive import ExclusiveFile
@@ -89,6 +89,7 @@ _CODECS = ("zstd", "blosc", "lz4", "zlib", "gzip", "bz2", "lzma")
 MAX_INDEX_BYTES = 1 << 30
 MAX_HEAD_BYTES = 1 << 16          # the JSON header of an index is a few hundred bytes
 _ZPAD = memoryview(bytes(8))
+_MAX_INTP = int(np.iinfo(np.intp).max)  # NumPy refuses shapes whose nonzero axes pass it
 
 
 class RecoveredWarning(UserWarning):
@@ -197,8 +198,10 @@ def _dtype(code: bytes) -> np.dtype:
     return dt
 
 
-def _parse(ro: memoryview, base: int, n: int, hl: int, pl: int) -> tuple:
-    """The arrays of the record whose prefix starts at ``base`` of the read-only ``ro``."""
+def _parse(ro: memoryview, base: int, n: int, hl: int, pl: int, where: str = "a record file",
+           k: int | None = None) -> tuple:
+    """The arrays of the record whose prefix starts at ``base`` of the read-only ``ro``
+    (record ``k`` of ``where``, for messages)."""
     p = base + _PREFIX.size
     head = bytes(ro[p:p + hl])
     d = p + hl
@@ -216,7 +219,12 @@ def _parse(ro: memoryview, base: int, n: int, hl: int, pl: int) -> tuple:
         if nd:
             shape = _SHAPES[nd].unpack_from(head, r)
             if min(shape) < 0:
-                raise MetadataError(f"record shape {shape} is negative; the file is damaged")
+                raise MetadataError(f"{where}: record {k} has array shape {shape}, which is "
+                                    f"negative; the file is damaged")
+            if math.prod(x for x in shape if x) * dt.itemsize > _MAX_INTP:
+                raise MetadataError(f"{where}: record {k} has array shape {shape} of {dt}, "
+                                    f"larger than any array can be (more than 2**63 bytes "
+                                    f"without its zero axes); the file is damaged or hostile")
             count = math.prod(shape)
         else:
             shape, count = (), 1
@@ -329,10 +337,8 @@ def _index_at(read_at: Callable[[int, int], bytes], size: int, tpos: int, versio
     blob = read_at(ioff, ilen)
     if zlib.crc32(blob) != crc:
         raise MetadataError(f"{where}: the record index fails its checksum; {fix}")
-    try:
-        head = json.loads(blob[:jlen].decode())
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise MetadataError(f"{where}: the record index header is not JSON; {fix}") from None
+    head = safejson.load(blob[:jlen], what=f"{where}: the record index header",
+                         max_bytes=MAX_HEAD_BYTES, max_depth=8, max_items=1000, hint=fix)
     if not isinstance(head, dict):
         raise MetadataError(f"{where}: the record index header is {type(head).__name__}, "
                             f"not an object; {fix}")
@@ -461,7 +467,7 @@ def iter_records(pages: Iterator, n_records: int, stream: int,
                 magic, na, hl, pl = _PREFIX.unpack_from(mv, pos)
                 total = check(k, magic, na, hl, pl)
                 if plen - pos >= total:
-                    rec = _parse(mv, pos, na, hl, pl)
+                    rec = _parse(mv, pos, na, hl, pl, where, k)
                     pos += total
                     left -= total
                     yield rec
@@ -473,7 +479,7 @@ def iter_records(pages: Iterator, n_records: int, stream: int,
                 total = check(k, magic, na, hl, pl)
                 buf = pre + gather(total - _PREFIX.size)
             left -= total
-            yield _parse(memoryview(buf).toreadonly(), 0, na, hl, pl)
+            yield _parse(memoryview(buf).toreadonly(), 0, na, hl, pl, where, k)
         if left:
             raise MetadataError(f"{where}: {left} stream bytes follow the last of its "
                                 f"{n_records} records; the file is damaged")

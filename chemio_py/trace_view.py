@@ -12,64 +12,183 @@ time, wait and overlap efficiency ``1 - wait/io`` (as ``report()``); and on the 
 the time some I/O was in flight, the time a consumer waited, and the I/O time overlapped
 with work (in flight while nobody waited). The picture is ``stats.plot_timeline`` of the
 events (matplotlib), PNG or SVG by the output's suffix.
+
+A trace file is untrusted input, and may be huge. Each file is read without following a link
+or blocking on a FIFO, at most ``MAX_TRACE_BYTES``, parsed by ``safejson`` (no nesting
+deeper than 32 levels); at most ``max_events`` complete events are kept (the rest are counted
+and reported). An event whose ``ts``, ``dur`` or ``args.bytes`` is not a finite number in range
+(NaN, Infinity, 10**400, negative durations...) is a bad event: skipped, counted, reported.
+The picture draws the ``MAX_TRACKS`` busiest tracks one row each and sums the others into
+"N other tracks" rows (one per kind: io, wait, compute); spans of a row closer than a pixel
+are drawn as one bar. Memory and time are bounded by these limits, not by the trace.
 """
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import math
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from . import safejson
 from .errors import ArgumentError, ChemIOError
+from .ownfiles import NotARegularFile, open_regular, read_bounded
 
 FORMATS = {".png": "png", ".svg": "svg"}
+MAX_TRACE_BYTES = 128 << 20     # one trace file (about a million events)
+MAX_EVENTS = 250_000            # complete events kept over all files; the rest are counted
+MAX_TRACKS = 64                 # rows of the picture; the other tracks are summed
+MAX_TIME_US = 1e18              # |ts| and dur beyond 31,000 years are not times
+_MAX_DEPTH = 32                 # a trace nests 4 levels (document, list, event, args)
+_LABEL = 512                    # characters of a name, track or file name kept
 
 
 # ---------------------------------------------------------------- reading
 
 def _key(ev: dict) -> tuple:
+    """What makes two events the same (every value of a read event is hashable)."""
     return (ev.get("pid"), str(ev.get("tid")), ev.get("name"), ev.get("cat"), ev["ts"],
-            ev["dur"], json.dumps(ev.get("args"), sort_keys=True, default=str))
+            ev["dur"], tuple(sorted(ev.get("args", {}).items())))
 
 
-def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict]:
-    """The complete (``"ph": "X"``) events of one or more trace files, in time order.
+@dataclass
+class Trace:
+    """What ``read`` found: the good complete events in time order (exact duplicates once),
+    and what it left out."""
+    events: list[dict]
+    bad: int = 0                    # events with a bad ts, dur or bytes: skipped
+    bad_examples: list[str] = field(default_factory=list)
+    unread: int = 0                 # complete events past ``max_events``: not read
+
+
+def _time(v: Any, low: float) -> float | None:
+    """``v`` as a float of microseconds when it is one (finite, in range), else None."""
+    if type(v) not in (int, float):             # (a bool is not a time)
+        return None
+    x = float(v) if type(v) is float or abs(v) <= MAX_TIME_US else math.inf
+    return x if math.isfinite(x) and low <= x <= MAX_TIME_US else None
+
+
+def _label(v: Any, strings: dict) -> str | int | None:
+    """A name, track or file as the trace has it (None and ints as they are, anything else
+    as text), cut to ``_LABEL`` characters and shared between events (a trace repeats a
+    few names many times)."""
+    if type(v) is not str:
+        if v is None or type(v) is int:
+            return v
+        v = str(v)[:_LABEL] if isinstance(v, (bool, float)) else \
+            json.dumps(v, default=str)[:_LABEL]
+    elif len(v) > _LABEL:
+        v = v[:_LABEL]
+    return strings.setdefault(v, v) if len(strings) < 65536 else v
+
+
+class _Reader:
+    """Collects the complete events of trace files as ``safejson.iter_items`` parses them
+    one by one: checked, slimmed to what the summary reads, at most ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.trace = Trace([])
+        self.strings: dict[str, str] = {}
+        self.where = ""
+
+    def take(self, obj: Any) -> None:
+        if not isinstance(obj, dict) or obj.get("ph") != "X":
+            return
+        t = self.trace
+        if len(t.events) >= self.limit:
+            t.unread += 1
+            return
+        ts, dur = _time(obj.get("ts"), -MAX_TIME_US), _time(obj.get("dur"), 0.0)
+        args = obj.get("args")
+        if not isinstance(args, dict):
+            args = {}
+        nbytes = args.get("bytes", 0)
+        ok_bytes = type(nbytes) is int and 0 <= nbytes < 1 << 63
+        if ts is None or dur is None or not ok_bytes:
+            t.bad += 1
+            if len(t.bad_examples) < 3:
+                shown = {k: obj.get(k) for k in ("ts", "dur")}
+                if not ok_bytes:
+                    shown["bytes"] = nbytes
+                t.bad_examples.append(f"{self.where}: " + ", ".join(
+                    f"{k}={v!r:.40}" for k, v in shown.items()))
+            return
+        s = self.strings
+        ev: dict[str, Any] = {"ph": "X", "ts": ts, "dur": dur}
+        for k in ("name", "cat", "pid", "tid"):
+            ev[k] = _label(obj.get(k), s)
+        kept = {k: _label(args[k], s) for k in ("file", "pipeline") if k in args}
+        if "bytes" in args:
+            kept["bytes"] = nbytes
+        if type(args.get("offset")) is int:
+            kept["offset"] = args["offset"]
+        if kept:
+            ev["args"] = kept
+        t.events.append(ev)
+
+
+def _read_one(p: str, reader: _Reader) -> None:
+    """Add the events of trace file ``p`` to ``reader``; ``ArgumentError`` when it is not
+    a trace chemio can read."""
+    try:
+        fd = open_regular(p)
+    except FileNotFoundError:
+        raise ArgumentError(f"trace file {p!r} does not exist; record one with "
+                            f"CHEMIO_TRACE=path.json (one file per rank under MPI: "
+                            f"path.rank<N>.json)") from None
+    except NotARegularFile as e:
+        raise ArgumentError(f"{p!r} {e.strerror}; a trace is a regular file written by "
+                            f"CHEMIO_TRACE") from None
+    except OSError as e:
+        raise ArgumentError(f"cannot read trace file {p!r}: {e.strerror or e}") from None
+    try:
+        if os.fstat(fd).st_size > MAX_TRACE_BYTES:
+            raise ValueError("too large")
+        raw = read_bounded(fd, MAX_TRACE_BYTES, repr(p))
+    except ValueError:
+        raise ArgumentError(f"{p!r} holds more than {MAX_TRACE_BYTES >> 20} MiB, more than "
+                            f"chemio trace reads; record a shorter run, or one trace per "
+                            f"phase of the job") from None
+    except OSError as e:
+        raise ArgumentError(f"cannot read trace file {p!r}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    reader.where = os.path.basename(p)
+    for item in safejson.iter_items(
+            raw, what=f"trace file {p!r}", key="traceEvents", error=ArgumentError,
+            hint="it is not a chemio trace (a Chrome/Perfetto JSON trace as CHEMIO_TRACE "
+                 "writes)", max_bytes=MAX_TRACE_BYTES, max_depth=_MAX_DEPTH,
+            max_items=MAX_TRACE_BYTES // 8, lenient_numbers=True):
+        reader.take(item)
+
+
+def read(paths: str | os.PathLike | Iterable[str | os.PathLike],
+         max_events: int = MAX_EVENTS) -> Trace:
+    """The complete (``"ph": "X"``) events of one or more trace files, in time order, and
+    what was left out (see ``Trace``): at most ``max_events`` are read, bad ones skipped.
 
     Exact duplicates (same process, track, name, time and arguments) count once: a
     pipeline run and its named totals both record each of its spans."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    events: list[dict] = []
+    reader = _Reader(max(0, max_events))
     for p in paths:
-        p = os.fspath(p)
-        try:
-            with open(p, "rb") as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            raise ArgumentError(f"trace file {p!r} does not exist; record one with "
-                                f"CHEMIO_TRACE=path.json (one file per rank under MPI: "
-                                f"path.rank<N>.json)") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ArgumentError(f"{p!r} is not a chemio trace: not JSON ({e})") from None
-        except IsADirectoryError:
-            raise ArgumentError(f"{p!r} is a directory, not a trace file") from None
-        evs = data.get("traceEvents") if isinstance(data, dict) else data
-        if not isinstance(evs, list):
-            raise ArgumentError(f"{p!r} is not a chemio trace: no 'traceEvents' list (a "
-                                f"Chrome/Perfetto JSON trace as CHEMIO_TRACE writes)")
-        for k, ev in enumerate(evs):
-            if not isinstance(ev, dict) or ev.get("ph") != "X":
-                continue
-            ts, dur = ev.get("ts"), ev.get("dur")
-            if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)) \
-                    or dur < 0:
-                raise ArgumentError(f"{p!r}: event {k} has no valid 'ts'/'dur' "
-                                    f"(got ts={ts!r}, dur={dur!r})")
-            events.append(ev)
-    unique = {_key(ev): ev for ev in events}
-    return sorted(unique.values(), key=lambda e: e["ts"])
+        _read_one(os.fspath(p), reader)
+    t = reader.trace
+    unique = {_key(ev): ev for ev in t.events}
+    t.events = sorted(unique.values(), key=lambda e: e["ts"])
+    return t
+
+
+def load(paths: str | os.PathLike | Iterable[str | os.PathLike],
+         max_events: int = MAX_EVENTS) -> list[dict]:
+    """The good events of ``read(paths, max_events)``."""
+    return read(paths, max_events).events
 
 
 # ---------------------------------------------------------------- summary
@@ -197,12 +316,22 @@ def text(s: dict, top: int = 5) -> str:
                 lines.append(f"  {printable(os.path.basename(f['file'])):40s} "
                              f"{f['io_seconds']:8.3f} s  {_mib(f['bytes']):>12s}")
     if s["pipelines"]:
-        lines.append("pipelines:")
-        for p in s["pipelines"]:
+        shown = max(top, 20)
+        lines.append("pipelines:" if len(s["pipelines"]) <= shown else
+                     f"pipelines (the {shown} with most I/O time of {len(s['pipelines'])}):")
+        for p in s["pipelines"][:shown]:
             eff = "-" if p["efficiency"] is None else f"{p['efficiency']:.0%}"
             lines.append(f"  {printable(p['pipeline']):40s} {p['ops']:6d} ops "
                          f"{_mib(p['bytes']):>12s}  io {p['io_seconds']:.3f} s  waited "
                          f"{p['wait_seconds']:.3f} s  overlap {eff}")
+    if s.get("bad_events"):
+        lines.append(f"{s['bad_events']} bad event{'s' if s['bad_events'] != 1 else ''} "
+                     f"skipped (ts, dur or bytes not a finite number in range), e.g. "
+                     f"{'; '.join(printable(x) for x in s.get('bad_examples', []))}")
+    if s.get("events_not_read"):
+        lines.append(f"{s['events_not_read']} events past the first {s['max_events']} not read: "
+                     f"the figures above cover the first {s['max_events']} only (raise the "
+                     f"limit with --max-events, at about 1 KiB of memory per event)")
     return "\n".join(lines)
 
 
@@ -215,11 +344,63 @@ def _tracks(events: list[dict]) -> list[dict]:
     return [{**ev, "tid": f"pid {ev.get('pid')} {ev.get('tid')}"} for ev in events]
 
 
-def draw(events: list[dict], out: str | os.PathLike) -> str:
+def _kind(track: str) -> str:
+    return "compute" if track.endswith("compute") else "wait" if track.endswith("wait") else "io"
+
+
+def track_count(events: list[dict]) -> int:
+    """How many tracks (rows of the picture, one per thread or pipeline slot) ``events`` use."""
+    return len({str(ev.get("tid")) for ev in _tracks(events)})
+
+
+def picture_rows(events: list[dict], max_tracks: int = MAX_TRACKS,
+                 bars: int = 2000) -> list[dict]:
+    """The events the picture draws: the ``max_tracks`` busiest tracks (by time in their
+    events) as they are, every other track's events in one "N other tracks" row per kind
+    (io, wait, compute); in each row, spans closer than 1/``bars`` of the trace's length
+    are merged into one bar. At most ``(max_tracks + 3) * (bars + 1)`` events."""
+    events = _tracks(events)
+    busy: dict[str, float] = {}
+    for ev in events:
+        t = str(ev.get("tid"))
+        busy[t] = busy.get(t, 0.0) + ev["dur"]
+    keep = sorted(busy, key=lambda t: -busy[t])[:max_tracks]
+    others = len(busy) - len(keep)
+    row_of = {t: f"({others} other tracks) {_kind(t)}" for t in busy}
+    row_of.update((t, printable_label(t)) for t in keep)
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for ev in events:
+        ts = ev["ts"]
+        rows.setdefault(row_of[str(ev.get("tid"))], []).append((ts, ts + ev["dur"]))
+    lo = min((ev["ts"] for ev in events), default=0.0)
+    hi = max((ev["ts"] + ev["dur"] for ev in events), default=0.0)
+    gap = (hi - lo) / max(1, bars)
+    out: list[dict] = []
+    for row, spans in rows.items():
+        merged: list[list[float]] = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1] + gap:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        out.extend({"ph": "X", "tid": row, "ts": a, "dur": b - a} for a, b in merged)
+    return out
+
+
+def printable_label(track: str) -> str:
+    """A track's name as a row label: printable, at most 60 characters."""
+    from .scratch import printable
+    shown = printable(track)
+    return shown if len(shown) <= 60 else shown[:28] + "..." + shown[-29:]
+
+
+def draw(events: list[dict], out: str | os.PathLike, max_tracks: int = MAX_TRACKS) -> str:
     """Draw the timeline to ``out`` (``.png`` or ``.svg``); returns the path written.
 
-    Needs matplotlib (``ChemIOError`` saying how to install it otherwise). Only a new file
-    or a regular file of yours is replaced, never a link or anything else.
+    At most ``max_tracks`` rows of tracks and three rows summing the others
+    (``picture_rows``), so the picture's size and the time to draw it are bounded. Needs
+    matplotlib (``ChemIOError`` saying how to install it otherwise). Only a new file or a
+    regular file of yours is replaced, never a link or anything else.
     """
     from . import stats
     out = os.fspath(out)
@@ -238,7 +419,7 @@ def draw(events: list[dict], out: str | os.PathLike) -> str:
     except ImportError:
         raise ChemIOError("drawing the timeline needs matplotlib, which is not installed: "
                           "pip install matplotlib (the text summary works without it)") from None
-    fig = stats.plot_timeline(_tracks(events))
+    fig = stats.plot_timeline(picture_rows(events, max_tracks))
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt, bbox_inches="tight")
     try:
@@ -258,20 +439,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the timeline picture, PNG or SVG by its suffix (needs matplotlib); "
                         "default: none, only the summary")
     p.add_argument("--top", type=int, default=5, help="files shown in the summary")
+    p.add_argument("--max-events", type=int, default=MAX_EVENTS, metavar="N",
+                   help=f"complete events read at most, over all files (default {MAX_EVENTS}; "
+                        f"about 1 KiB of memory each); the rest are counted and reported")
+    p.add_argument("--max-tracks", type=int, default=MAX_TRACKS, metavar="N",
+                   help=f"tracks drawn one row each (default {MAX_TRACKS}); the others are "
+                        f"summed into 'N other tracks' rows")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """``chemio trace``: print the summary, draw the picture when ``-o`` is given."""
-    events = load(args.files)
-    summary = summarize(events)
-    out = draw(events, args.output) if args.output else None
+    max_events, max_tracks = max(1, args.max_events), max(1, args.max_tracks)
+    trace = read(args.files, max_events)
+    summary = summarize(trace.events)
+    tracks = track_count(trace.events)
+    summary.update(bad_events=trace.bad, bad_examples=trace.bad_examples,
+                   events_not_read=trace.unread, max_events=max_events, tracks=tracks,
+                   tracks_drawn=min(tracks, max_tracks))
+    out = draw(trace.events, args.output, max_tracks) if args.output else None
     if args.json:
         print(json.dumps({**summary, "picture": out}))
     else:
         print(text(summary, max(1, args.top)))
         if out:
             print(f"timeline: {out}")
+            if tracks > max_tracks:
+                print(f"  (the {max_tracks} busiest of {tracks} tracks drawn one row each; "
+                      f"the other {tracks - max_tracks} summed into '({tracks - max_tracks} "
+                      f"other tracks)' rows, one per kind: io, wait, compute)")
     return 0
 
 
