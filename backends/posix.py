@@ -160,80 +160,20 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 def remove_entry_at(dir_fd: int | None, name: str, where: str, failures: list) -> None:
     """Remove entry ``name`` of the open directory ``dir_fd`` (None: a path relative to
     the working directory; ``where``: the directory's path, for errors): a file or link
-    with one ``unlinkat``, a real directory with all it holds. An entry already gone is
-    fine; every other failure is appended to ``failures`` as ``(path, OSError)`` and the
-    rest goes on."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    except FileNotFoundError:
-        return
-    except IsADirectoryError:       # Linux says EISDIR for a directory
-        pass
-    except OSError as e:
-        if e.errno != errno.EPERM:  # POSIX allows EPERM for a directory: look first
-            failures.append((os.path.join(where, name), e))
-            return
-        try:
-            if not _stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode):
-                failures.append((os.path.join(where, name), e))
-                return
-        except OSError:
-            failures.append((os.path.join(where, name), e))
-            return
-    remove_dir_at(dir_fd, name, where, failures)
+    with one ``unlinkat``, a real directory with all it holds, however deep, never through
+    a link. An entry already gone is fine; every other failure is appended to ``failures``
+    as ``(path, OSError)`` and the rest goes on (``scratch.remove_entry_at``)."""
+    scratch.remove_entry_at(dir_fd, name, os.path.join(where, name), failures)
 
 
-def remove_dir_at(dir_fd: int | None, name: str, where: str, failures: list) -> None:
-    """Remove the directory ``name`` of ``dir_fd`` with everything in it (see
-    ``remove_entry_at``); a link or file found there instead is removed itself."""
-    path = os.path.join(where, name)
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-            failures.append((path, e))
-            return
-        try:                        # a link (never followed) or a file: the entry goes
-            os.unlink(name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
-        except OSError as e2:
-            failures.append((path, e2))
-        return
-    try:
-        clear_dir(fd, path, failures)
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        failures.append((path, e))
+remove_dir_at = remove_entry_at     # a link or file found where a directory was goes itself
 
 
 def clear_dir(fd: int, where: str, failures: list, keep: Any = None) -> None:
     """Remove every entry of the open directory ``fd`` (path ``where``), directories with
-    all they hold, except names ``keep(name)`` is true for; failures as ``remove_entry_at``."""
-    try:
-        with os.scandir(fd) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    except OSError as e:
-        failures.append((where, e))
-        return
-    for name, is_dir in entries:
-        if keep is not None and keep(name):
-            continue
-        try:
-            if is_dir:
-                remove_dir_at(fd, name, where, failures)
-            else:
-                remove_entry_at(fd, name, where, failures)
-        except RecursionError as e:    # a hostile tree thousands of levels deep
-            failures.append((os.path.join(where, name), OSError(errno.ELOOP, str(e))))
+    all they hold, except names ``keep(name)`` is true for; failures as ``remove_entry_at``
+    (``scratch.clear_dir_at``: iterative, a bounded number of descriptors)."""
+    scratch.clear_dir_at(fd, where, failures, keep)
 
 
 def removal_error(path: str, failures: list, what: str) -> StorageError:

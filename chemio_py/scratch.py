@@ -1239,7 +1239,7 @@ def clear_dir_at(fd: int, where: str, failures: list, keep: Any = None) -> None:
                     continue
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):    # now a link or a file
-                        _unlink_entry(top.fd, name, _path_of(where, stack, name), failures)
+                        remove_entry_at(top.fd, name, _path_of(where, stack, name), failures)
                     else:
                         failures.append((_path_of(where, stack, name), e))
                     continue
@@ -1299,7 +1299,7 @@ def _reopen_parent(where: str, stack: list, failures: list) -> bool:
     return True
 
 
-def _unlink_entry(dir_fd: int, name: str, path: str, failures: list) -> None:
+def remove_entry_at(dir_fd: int | None, name: str, path: str, failures: list) -> None:
     """Remove entry ``name`` of ``dir_fd``: a file or link, or a directory with all it holds."""
     try:
         os.unlink(name, dir_fd=dir_fd)
@@ -1359,7 +1359,7 @@ def _remove_tree(path: str) -> None:
                 break
             for n in os.listdir(dfd):
                 if _removal_phase(n) == phase:
-                    _unlink_entry(dfd, n, os.path.join(path, n), failures)
+                    remove_entry_at(dfd, n, os.path.join(path, n), failures)
     finally:
         os.close(dfd)
     if not failures:

@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import itertools
 import operator
 import pickle
@@ -27,6 +29,10 @@ from chemio_py.backends import zarr_exchange as X
 from chemio_py.comm import Comm
 from chemio_py.diskarray import _check_disjoint
 from chemio_py.errors import SectionError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from bench_collective import old_contested_objects  # noqa: E402 - the reference model
 
 MiB = 1 << 20
 PROPERTY = settings(max_examples=150, deadline=None,
@@ -46,40 +52,6 @@ def old_first_pair(boxes: np.ndarray) -> tuple[int, int] | None:
         i, j = (int(k) for k in np.argwhere(meet)[0])
         return i, j
     return None
-
-
-def old_contested_objects(boxes: list, chunks: tuple, shape: tuple, itemsize: int,
-                          round_bytes: int = X.ROUND_BYTES) -> list:
-    """``zarr_exchange.contested_objects`` before issue 21 (every pair of ranks compared)."""
-    cbox = {}
-    for r, b in enumerate(boxes):
-        if b is not None:
-            cbox[r] = (tuple(l // c for l, c in zip(b[0], chunks)),
-                       tuple(-(-h // c) for h, c in zip(b[1], chunks)))
-    touched: dict[tuple, set] = {}
-    ranks = sorted(cbox)
-    for i, r in enumerate(ranks):
-        for s in ranks[i + 1:]:
-            ov = X._overlap(cbox[r], cbox[s])
-            if ov is None:
-                continue
-            for idx in itertools.product(*(range(l, h) for l, h in zip(*ov))):
-                touched.setdefault(idx, set()).update((r, s))
-    out = []
-    cap = X._cap(round_bytes, len(boxes))
-    for idx in sorted(touched):
-        ob = X.object_box(idx, chunks, shape)
-        counts = {r: X._count(X._overlap(ob, boxes[r])) for r in sorted(touched[idx])}
-        counts = {r: n for r, n in counts.items() if n}
-        if len(counts) < 2:
-            continue
-        owner = max(counts, key=lambda r: (counts[r], -r))
-        senders = [r for r in counts if r != owner]
-        nbytes = {r: counts[r] * itemsize for r in counts}
-        total = sum(nbytes[r] for r in senders)
-        out.append(X.Contested(idx, owner, senders, nbytes, max(1, -(-total // cap)),
-                               sorted(counts)))
-    return out
 
 
 # ---------------------------------------------------------------- inputs
