@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from typing import Any
 import uuid
 
@@ -188,22 +189,25 @@ def _mpich_segments() -> set[str]:
 def reap_orphan_mpich_segments(before: set[str]) -> None:
     """Remove MPICH shared-memory segments that appeared since ``before`` and that no live
     process maps: a job ended by MPI_Abort is SIGKILLed by hydra, which leaves them."""
-    new = _mpich_segments() - before
-    if not new:
-        return
-    mapped = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
+    deadline = time.monotonic() + 5             # killed ranks may still be exiting
+    while True:
+        new = _mpich_segments() - before
+        mapped = set()
+        for pid in os.listdir("/proc") if new else ():
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/maps") as fh:
+                        mapped.update(n for n in new if n in fh.read())
+                except OSError:
+                    pass
+        for name in new - mapped:
             try:
-                with open(f"/proc/{pid}/maps") as fh:
-                    mapped.update(n for n in new if n in fh.read())
+                os.unlink(os.path.join("/dev/shm", name))
             except OSError:
                 pass
-    for name in new - mapped:
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
+        if not mapped or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def run_on_tty(argv: list[str], *, columns: int = 120, timeout: float = 120,

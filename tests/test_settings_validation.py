@@ -271,7 +271,10 @@ def test_version(cli_env):
 COMMANDS = [["info"], ["config"], ["config", "--check"], ["config", "x.aoints"], ["--version"],
             ["--help"], ["info", "--help"], ["clean", "--dry-run", "--root", "{tmp}"],
             ["ls", "--root", "{tmp}"], ["check", "--help"], ["trace", "--help"],
-            ["demo", "--eaf", "--records", "2"], ["bench", "--help"], ["bench", "--list"]]
+            ["demo", "--eaf", "--records", "2"], ["bench", "--help"],
+            ["bench", "--list", "--dir", "{bench}"]]
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")      # named: an installed package does not ship it
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
@@ -280,7 +283,7 @@ def test_reader_gone_before_any_output_is_quiet(argv, tmp_path, cli_env):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+        argv = [a.replace("{tmp}", str(tmp_path)).replace("{bench}", BENCH_DIR) for a in argv]
         r = subprocess.run([sys.executable, "-m", "chemio_py.cli", *argv], stdout=write_end,
                            stderr=subprocess.PIPE, text=True, timeout=120, env=cli_env,
                            cwd=tmp_path)
