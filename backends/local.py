@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import itertools
 import math
 import mmap
 import os
@@ -29,7 +28,6 @@ import numpy as np
 import numpy.ctypeslib  # noqa: F401 - imported lazily, it races between pool threads
 
 from chemio_py import config, scratch
-from chemio_py.layout import c_strides
 from chemio_py.errors import OutOfSpaceError, StorageError
 
 from . import linux_aio
@@ -550,27 +548,29 @@ class LocalArrayStore(_PosixFile):
         from chemio_py.layout import SIEVE_HOLE
         sieve = 0 if write else SIEVE_HOLE
         trash = _sieve_buffer(sieve)
-        runs = self.layout.runs(region, arr.strides, sieve=sieve)
-        if write:
-            self._prefetch_partial_pages(runs)
-            exact = None
-        else:
-            self._prefetch_runs(runs)
-            exact = self._exact_runs(region, runs)
         efd = None
         fill = None if write or arr.nbytes < FILL_AFTER_READ else self._start_filling()
         try:
-            for i, (off, moffs, lens) in enumerate(runs):
-                views = [base[m:m + n] if m >= 0 else trash[:n] for m, n in zip(moffs, lens)]
-                fd = None
-                if exact is not None and exact[i]:
-                    if efd is None:
-                        efd = self._exact_fd()
-                    fd = efd if efd >= 0 else None
-                n = sum(lens)
-                self._vector_io(write, off, views, n, fd)
-                if fill is not None:
-                    posix.page_tables.add(fill[1].addr + off, n)
+            # planned a batch at a time: the plan's memory is bounded, not one entry per chunk
+            for runs in self.layout.iter_runs(region, arr.strides, sieve=sieve):
+                if write:
+                    self._prefetch_partial_pages(runs)
+                    exact = None
+                else:
+                    self._prefetch_runs(runs)
+                    exact = self._exact_runs(region, runs)
+                for i, (off, moffs, lens) in enumerate(runs):
+                    views = [base[m:m + n] if m >= 0 else trash[:n]
+                             for m, n in zip(moffs, lens)]
+                    fd = None
+                    if exact is not None and exact[i]:
+                        if efd is None:
+                            efd = self._exact_fd()
+                        fd = efd if efd >= 0 else None
+                    n = sum(lens)
+                    self._vector_io(write, off, views, n, fd)
+                    if fill is not None:
+                        posix.page_tables.add(fill[1].addr + off, n)
         finally:
             if efd is not None and efd >= 0:
                 os.close(efd)
@@ -790,34 +790,8 @@ class LocalArrayStore(_PosixFile):
         in the file (same extent, same slice of each chunk): per block ``(offset of its
         first element, grid counts, grid byte strides, piece shape, in-chunk byte strides,
         start of the block in the region)``. One strided copy then moves a whole block."""
-        isz = self.layout.itemsize
-        shape, chunks = self.shape, self.chunks
-        groups = []                                 # per axis: [(i0, count, lo, hi, extent)]
-        for s, c, n in zip(region, chunks, shape):
-            g: list[list[int]] = []
-            for i in range(s.start // c, -(-s.stop // c)):
-                lo, hi = max(s.start, i * c) - i * c, min(s.stop, (i + 1) * c) - i * c
-                ext = min(c, n - i * c)
-                if g and (g[-1][2], g[-1][3], g[-1][4]) == (lo, hi, ext):
-                    g[-1][1] += 1
-                else:
-                    g.append([i, 1, lo, hi, ext])
-            groups.append(g)
-        trail = [math.prod(shape[k + 1:]) for k in range(len(shape))]
-        out = []
-        for combo in itertools.product(*groups):
-            ext = [e for _, _, _, _, e in combo]
-            cs = c_strides(ext, isz)
-            lead, gstr = 1, []
-            for k, (_, _, _, _, e) in enumerate(combo):
-                gstr.append(chunks[k] * lead * trail[k] * isz)
-                lead *= e
-            first = self.layout.chunk_offset([g[0] for g in combo]) \
-                + sum(g[2] * t for g, t in zip(combo, cs))
-            where = [g[0] * c + g[2] - s.start for g, c, s in zip(combo, chunks, region)]
-            out.append((first, [g[1] for g in combo], gstr, [g[3] - g[2] for g in combo],
-                        cs, where))
-        return out
+        return [(b.first, list(b.counts), list(b.gstrides), list(b.shape), list(b.cstrides),
+                 list(b.where)) for b in self.layout.blocks(region)]
 
     def _plan(self, region: Any) -> tuple:
         """``(blocks, page ranges, pages)`` of a region: its blocks (``_blocks``) and the
@@ -827,21 +801,7 @@ class LocalArrayStore(_PosixFile):
         plan = self._plans.get(key)
         if plan is None:
             blocks = self._blocks(region)
-            page = mmap.PAGESIZE
-            starts, ends = [], []
-            for first, counts, gstr, pshape, cs, _ in blocks:
-                a = np.full(1, first, dtype=np.int64)
-                for n, t in zip(counts, gstr):
-                    a = (a[:, None] + np.arange(n, dtype=np.int64) * t).ravel()
-                starts.append(a)
-                ends.append(a + sum((k - 1) * t for k, t in zip(pshape, cs))
-                            + self.layout.itemsize)
-            a, b = np.concatenate(starts) // page, -(-np.concatenate(ends) // page)
-            order = np.argsort(a, kind="stable")
-            a, b = a[order], np.maximum.accumulate(b[order])
-            cut = np.flatnonzero(a[1:] > b[:-1]) + 1        # a gap: a new range
-            firsts = a[np.concatenate(([0], cut))]
-            lasts = b[np.concatenate((cut - 1, [b.size - 1]))]
+            firsts, lasts = self.layout.spans(region, mmap.PAGESIZE, 0)
             ranges = list(zip(firsts.tolist(), lasts.tolist()))
             plan = (blocks, ranges, int((lasts - firsts).sum()))
             if len(self._plans) >= 16:

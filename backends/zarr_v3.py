@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import importlib.util
+import itertools
 import math
 import os
 import stat as _stat
@@ -755,10 +756,14 @@ class ZarrArrayStore:
     def read(self, region: tuple, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` from ``region``; absent objects read as the fill value (zero)."""
         self._check(region, out)
-        pieces = list(self._layout.pieces(region))
-        ahead = self.meta.shard is None and len(pieces) > 1
-        for at in range(0, len(pieces), _AHEAD):
-            batch = pieces[at:at + _AHEAD]
+        pieces = self._layout.pieces(region)       # a batch at a time: bounded memory
+        ahead: bool | None = None
+        while True:
+            batch = list(itertools.islice(pieces, _AHEAD))
+            if not batch:
+                break
+            if ahead is None:                      # more than one piece in all
+                ahead = self.meta.shard is None and len(batch) > 1
             fds: list = []
             try:
                 if ahead:       # all reads of the batch queued at once: a deeper device queue
