@@ -16,8 +16,8 @@ import numpy as np
 import chemio_py.backends as _backends
 
 from . import handles, reprs, requests, scratch, stats
-from .errors import (ArgumentError, ChemIOError, EndOfFileError, ModeError, PointerBufferError,
-                     SupersededError)
+from .errors import (ArgumentError, ChemIOError, EndOfFileError, LimitExceededError, ModeError,
+                     PointerBufferError, SupersededError)
 
 MODES = ("r", "r+", "w+", "x+")
 
@@ -50,6 +50,25 @@ def check_offset(offset: Any, what: str = "offset") -> int:
         raise ArgumentError(f"{what} {off} is past the largest file offset, 2**63 - 1; "
                             f"files cannot be that large")
     return off
+
+
+def check_size_hint(size_hint: int, name: str) -> None:
+    """Refuse a ``size_hint`` (already a checked int) above this process's file-size limit
+    (``RLIMIT_FSIZE``, ``ulimit -f``) with ``LimitExceededError``: the reservation would
+    fail with EFBIG (or, where SIGXFSZ is not ignored, kill the process)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, AttributeError, OSError, ValueError):     # no such limit here
+        return
+    if soft == resource.RLIM_INFINITY or size_hint <= soft:
+        return
+    room = ("`ulimit -f unlimited`" if hard == resource.RLIM_INFINITY
+            else f"`ulimit -f {hard // 1024}` (the hard limit)")
+    raise LimitExceededError(
+        f"size_hint of {name!r} is {size_hint} bytes, above this process's file-size limit of "
+        f"{soft} bytes (RLIMIT_FSIZE, `ulimit -f` {soft // 1024} blocks of 1 KiB); raise the "
+        f"limit in the shell that starts the job, e.g. {room}, or give a smaller size_hint")
 
 
 _PLAIN_FORMATS = frozenset([p + c for p in ("", "<", ">", "=", "@", "!")
@@ -100,6 +119,29 @@ def out_view(buf: Any) -> memoryview:
     except TypeError:
         raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
                             f"{type(buf).__name__}") from None
+    if mv.format not in _PLAIN_FORMATS:
+        refuse_pointers(mv, buf)
+    return mv
+
+
+def read_view(buf: Any, what: str = "read") -> memoryview:
+    """A writable C-contiguous memoryview of ``buf`` for ``what()`` to read into; else
+    ``ArgumentError`` saying what was given and what to pass (the checks of ``read`` and
+    ``aread``: a backend's own TypeError/BufferError would not say it)."""
+    try:
+        mv = buf if type(buf) is memoryview else memoryview(buf)
+    except TypeError:
+        raise ArgumentError(f"{what}() needs a writable buffer to read into, got "
+                            f"{type(buf).__name__}; pass a bytearray(n) or np.empty(n, 'u1') "
+                            f"(or an array of the dtype wanted)") from None
+    if mv.readonly or not mv.c_contiguous:
+        shape = tuple(getattr(buf, "shape", None) or mv.shape or ())
+        kind = ("a read-only" if mv.readonly else
+                f"a non-C-contiguous (strides {getattr(buf, 'strides', mv.strides)})")
+        raise ArgumentError(f"{what}() needs a writable C-contiguous buffer to read into, got "
+                            f"{kind} {type(buf).__name__} of shape {shape}; pass "
+                            f"e.g. bytearray(n) or np.empty(n, 'u1') (for an array: "
+                            f"np.empty(shape, dtype), then copy it where it belongs)")
     if mv.format not in _PLAIN_FORMATS:
         refuse_pointers(mv, buf)
     return mv
@@ -285,14 +327,20 @@ class ByteFile:
         if self._store is None:
             return []
         errors = self._pending.drain()          # an interrupt here leaves the file open
-        store, self._store = self._store, None
-        self._caps = _backends.NO_CAPABILITIES
-        self._read_once = self._write_once = None
-        if together:
-            store.close()
-        else:
-            _backends.close_local(store)
-        handles.release(self._path, self)
+        # from here on, whole: an interrupt between forgetting the store and closing it
+        # would leave it open with nothing to close it again (handlers still run; what
+        # one raises comes after the close)
+        with requests.shield():
+            store, self._store = self._store, None
+            self._caps = _backends.NO_CAPABILITIES
+            self._read_once = self._write_once = None
+            try:
+                if together:
+                    store.close()
+                else:
+                    _backends.close_local(store)
+            finally:
+                handles.release(self._path, self)
         return errors
 
     def _release(self) -> BaseException | None:
@@ -394,7 +442,7 @@ class ByteFile:
         elif t is _ndarray and not out.dtype.hasobject:
             n, out_mv = out.nbytes, out
         else:
-            out_mv = out_view(out)
+            out_mv = read_view(out, "read")
             n = out_mv.nbytes
         t0 = _clock()
         try:
@@ -406,7 +454,7 @@ class ByteFile:
                 except (OSError, ValueError, BufferError, TypeError):
                     got = -1                    # the full path checks, retries, maps errors
             if got < 0:
-                got = store.pread(offset, out_view(out))
+                got = store.pread(offset, read_view(out, "read"))
             elif got < n:
                 got += store.pread(offset + got, _tail(out_view(out), got))
         except BaseException:
@@ -423,12 +471,37 @@ class ByteFile:
             raise EndOfFileError(self.path, offset, n, store.size())
         return out
 
+    _READ_BYTES_CHECK = 1 << 20     # read_bytes of more: the file size is checked first
+
     def read_bytes(self, offset: int, n: int) -> bytes:
-        """Read ``n`` bytes at ``offset`` into a new ``bytes`` object."""
+        """Read ``n`` bytes at ``offset`` into a new ``bytes`` object.
+
+        Like ``read``, raises ``EndOfFileError`` when the range passes the end of the file
+        (before allocating anything); ``LimitExceededError`` when this process cannot hold
+        ``n`` bytes (then ``read(offset, out)`` into a reused buffer, chunk by chunk).
+        """
         n = check_offset(n, "n")
-        buf = bytearray(n)
+        if n > self._READ_BYTES_CHECK:
+            store = self._open_store()
+            offset = check_offset(offset)
+            size = store.size()
+            if offset + n > size:               # refused before a huge zeroed allocation
+                raise EndOfFileError(self.path, offset, n, size)
+        try:
+            buf = bytearray(n)
+        except MemoryError as e:
+            raise self._no_memory(offset, n) from e
         self.read(offset, buf)
-        return bytes(buf)
+        try:
+            return bytes(buf)
+        except MemoryError as e:
+            raise self._no_memory(offset, n) from e
+
+    def _no_memory(self, offset: Any, n: int) -> LimitExceededError:
+        return LimitExceededError(
+            f"read_bytes({offset}, {n}) of {self.path!r}: this process cannot allocate "
+            f"{n} bytes ({n / 2**30:.1f} GiB) for them; read in chunks with read(offset, out) "
+            f"into one reused buffer, e.g. out = np.empty(64 << 20, 'u1')")
 
     # ------------------------------------------------------------ asynchronous
     def awrite(self, offset: int, data: Any) -> requests.Request:
@@ -447,8 +520,7 @@ class ByteFile:
             req = native(offset, mv, self._write_done(n, offset), self._stats)
             if req is not None:
                 return self._pending.add(req)
-        return self._pending.add(
-            requests.submit(self._do_write, store, offset, mv, n, stats=self._stats))
+        return self._pool_start(self._do_write, store, offset, mv, n)
 
     def aread(self, offset: int, out: Any) -> requests.Request:
         """Start filling ``out`` from ``offset``; ``wait()`` returns ``out``.
@@ -462,16 +534,7 @@ class ByteFile:
             store = self._open_store()
         if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
             offset = check_offset(offset)
-        try:
-            mv = out if type(out) is memoryview else memoryview(out)
-        except TypeError:
-            raise ArgumentError(f"aread() needs a writable buffer, got "
-                                f"{type(out).__name__}") from None
-        if mv.readonly:
-            raise ArgumentError(f"aread() needs a writable buffer, got a read-only "
-                                f"{type(out).__name__}")
-        if mv.format not in _PLAIN_FORMATS:
-            refuse_pointers(mv, out)
+        mv = read_view(out, "aread")
         n = mv.nbytes
         native = self._caps.native_read
         if native is not None and not requests.sync_mode():
@@ -484,8 +547,21 @@ class ByteFile:
             if nowait(offset, mv) == n:
                 self._stats.record("read", n, t0, time.perf_counter(), offset)
                 return requests.completed(out)
-        return self._pending.add(
-            requests.submit(self._do_read, store, offset, out, n, stats=self._stats))
+        return self._pool_start(self._do_read, store, offset, out, n)
+
+    def _pool_start(self, fn: Any, store: Any, offset: int, buf: Any, n: int) -> requests.Request:
+        """Put ``fn(store, offset, buf, n)`` on the I/O pool and register its request, whole:
+        an interrupt between the two would leave a transfer on ``buf`` (and on the store)
+        that ``close()`` does not wait for. The handler's exception comes after the
+        registration (the request is lost to the caller then, not to ``close()``)."""
+        if requests.sync_mode():            # complete before it returns: nothing to lose
+            return self._pending.add(requests.submit(fn, store, offset, buf, n,
+                                                     stats=self._stats))
+        return requests.shielded(self._submit_registered, fn, store, offset, buf, n)
+
+    def _submit_registered(self, fn: Any, store: Any, offset: int, buf: Any,
+                           n: int) -> requests.Request:
+        return self._pending.add(requests.submit(fn, store, offset, buf, n, stats=self._stats))
 
     # ------------------------------------------------------------ many at once
     def aread_many(self, offsets: Any, buffers: Any) -> requests.Request:

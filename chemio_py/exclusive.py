@@ -16,7 +16,7 @@ from typing import Any
 import chemio_py.backends as _backends
 
 from . import config, handles, scratch
-from .bytefile import ByteFile, check_mode, check_offset
+from .bytefile import ByteFile, check_mode, check_offset, check_size_hint
 from .comm import comm
 
 
@@ -46,6 +46,8 @@ class ExclusiveFile(ByteFile):
         check_mode(mode)
         if size_hint is not None:
             size_hint = check_offset(size_hint, "size_hint")
+            if mode != "r":                 # (a reservation: not past `ulimit -f`)
+                check_size_hint(size_hint, name)
         be, be_name, path = _locate(name, backend, dir)
         if size_hint:
             scratch.check_space(path, size_hint, what=f"size_hint of {name!r}")

@@ -4,9 +4,15 @@ Both are collective to create (every rank of ``comm`` calls the constructor) and
 ``free()``; every other call is independent. One interface, three implementations:
 
 * ``serial`` — a process of its own (no MPI): a thread-safe counter and lock;
-* ``mpi4py`` — ``mpi4py.util.sync.Counter`` / ``Mutex`` (mpi4py >= 4), the default under MPI;
-* ``rma`` — MPI one-sided windows used directly (atomic fetch-and-add / compare-and-swap
-  on rank 0), the fallback for an older mpi4py.
+* ``mpi4py`` — ``mpi4py.util.sync.Counter`` / ``Mutex`` (mpi4py >= 4), the default under MPI
+  (the counter's word is changed by compare-and-swap, see below);
+* ``rma`` — MPI one-sided windows used directly (atomic compare-and-swap on rank 0), the
+  fallback for an older mpi4py.
+
+Every implementation refuses to leave the signed 64-bit range with ``LimitExceededError``,
+changing nothing: under MPI a ``next()`` is a compare-and-swap from the value this process
+last saw (one atomic when nobody else moved the counter, two when someone did, more under
+contention) instead of a Fetch_and_op, which would wrap past 2**63-1.
 
 ``Counter`` is GA's ``nxtval`` for dynamic load balancing::
 
@@ -128,19 +134,27 @@ class Counter(_Collective):
 
     ``Counter(start=0, *, comm=None, impl=None)`` is collective; the start value is rank 0's.
     ``next()`` returns the current value and adds one; ``fetch_and_add(n)`` returns the
-    current value and adds ``n`` (``fetch_and_add(0)`` reads it). Values are signed 64-bit.
+    current value and adds ``n`` (``fetch_and_add(0)`` reads it). Values are signed 64-bit:
+    an addition that would leave ``[-2**63, 2**63-1]`` raises ``LimitExceededError`` and
+    changes nothing, in every implementation.
     ``free()`` (also ``close()`` or leaving a ``with`` block) is collective.
     """
 
     def __init__(self, start: int = 0, *, comm: Any = None, impl: str | None = None):
         c, kind, start = self._setup(comm, impl, lambda: _int64(start, "start"))
+        self._guess = start                 # the last value this process saw (see _rma_add)
         if kind == "serial":
             self._value = start
         elif kind == "mpi4py":
             from mpi4py.util import sync
             self._mc = sync.Counter(start, typecode="q", comm=c.mpi)
+            try:
+                self._win, self._loc = _mpi4py_counter_word(self._mc)
+            except SyncError:                   # the same on every rank
+                self._mc.free()
+                raise
         else:
-            self._win = _rma_window(c.mpi, start)
+            self._win, self._loc = _rma_window(c.mpi, start), (0, 0)
 
     def next(self) -> int:
         """The current value; the counter is incremented by one for everyone."""
@@ -157,9 +171,13 @@ class Counter(_Collective):
                     raise self._overflow(prev, n)
                 self._value += n
                 return prev
-            if self.impl == "mpi4py":
-                return int(self._mc.next(n))
-            return _rma_fetch_op(self._win, n, "SUM")
+            root, disp = self._loc
+            if n == 0:
+                prev = _rma_fetch_op(self._win, 0, "NO_OP", root, disp)
+                self._guess = prev
+                return prev
+            prev, self._guess = _rma_add(self._win, n, self._guess, root, disp)
+            return prev
 
     @staticmethod
     def _overflow(prev: int, n: int) -> LimitExceededError:
@@ -303,15 +321,73 @@ def _rma_window(mpi_comm: Any, start: int) -> Any:
     return win
 
 
-def _rma_fetch_op(win: Any, value: int, op: str) -> int:
+def _rma_fetch_op(win: Any, value: int, op: str, root: int = 0, disp: int = 0) -> int:
     import numpy as np
     from mpi4py import MPI
     arg = np.array([value], dtype=np.int64)
     prev = np.zeros(1, dtype=np.int64)
-    win.Lock(0, MPI.LOCK_SHARED)
-    win.Fetch_and_op(arg, prev, 0, 0, getattr(MPI, op))
-    win.Unlock(0)
+    win.Lock(root, MPI.LOCK_SHARED)
+    try:
+        win.Fetch_and_op(arg, prev, root, disp, getattr(MPI, op))
+    finally:
+        win.Unlock(root)
     return int(prev[0])
+
+
+def _rma_add(win: Any, n: int, guess: int, root: int = 0, disp: int = 0) -> tuple[int, int]:
+    """Add ``n`` to the int64 word at ``(root, disp)`` unless the sum leaves the signed
+    64-bit range; ``(value before, this process's next guess)``. ``LimitExceededError``
+    (the word unchanged) when it would.
+
+    A compare-and-swap loop: MPI's Fetch_and_op(SUM) wraps past 2**63-1 and a wrap cannot
+    be undone atomically (others may already have seen and used the wrapped value), so
+    every change is a CAS from a value known to be in range to one checked to be in range.
+    The first CAS expects ``guess`` (the value this process last saw), so a process that
+    has the counter to itself pays one atomic, as Fetch_and_op did; a failed CAS returns
+    the current value, which the next try expects (two atomics when another process moved
+    it, more only under contention; some process always succeeds). A refusal is decided
+    on a value read from the window, never on the guess.
+    """
+    import numpy as np
+    from mpi4py import MPI
+    lo, hi = _INT64
+    new = np.zeros(1, dtype=np.int64)
+    expect = np.zeros(1, dtype=np.int64)
+    got = np.zeros(1, dtype=np.int64)
+    cur, seen = guess, False            # seen: cur was read from the window
+    spins = 0
+    while True:
+        nxt = cur + n
+        if not lo <= nxt <= hi:
+            if not seen:
+                cur, seen = _rma_fetch_op(win, 0, "NO_OP", root, disp), True
+                continue
+            raise Counter._overflow(cur, n)
+        new[0], expect[0] = nxt, cur
+        win.Lock(root, MPI.LOCK_SHARED)
+        try:
+            win.Compare_and_swap(new, expect, got, root, disp)
+        finally:
+            win.Unlock(root)
+        if int(got[0]) == cur:
+            return cur, nxt
+        cur, seen = int(got[0]), True
+        spins += 1
+        if spins % 16 == 0:             # heavy contention: let the others through
+            time.sleep(1e-6 * min(spins, 1000))
+
+
+def _mpi4py_counter_word(mc: Any) -> tuple[Any, tuple[int, int]]:
+    """The window and ``(root, disp)`` of an ``mpi4py.util.sync.Counter``'s int64 word.
+
+    Its ``next()`` is a Fetch_and_op(SUM), which wraps at 2**63-1; the counter's word is
+    changed with ``_rma_add`` instead (mpi4py's Counter still allocates and frees it).
+    """
+    win, loc = getattr(mc, "_window", None), getattr(mc, "_location", None)
+    if win is None or not (isinstance(loc, tuple) and len(loc) == 2):
+        raise SyncError("this mpi4py's util.sync.Counter does not expose its window "
+                        "(_window, _location); use impl='rma'")
+    return win, (int(loc[0]), int(loc[1]))
 
 
 __all__ = ["Counter", "Mutex", "SyncError", "IMPLEMENTATIONS"]

@@ -244,11 +244,79 @@ for impl in (["serial"] if c.size == 1 else ["mpi4py", "rma"]):
 
 
 def test_counter_refuses_to_pass_int64_serial(mpirun):
-    """Issue 27: the serial counter went on to 2**63 (the MPI one wraps to -2**63: a
-    compare-and-swap loop is needed there, not done yet); values are signed 64-bit, so it
+    """Issue 27: the serial counter went on to 2**63; values are signed 64-bit, so it
     hands out every value up to 2**63-2 once and refuses the rest, changing nothing."""
     proc = mpirun(1, COUNTER_EDGE)
     edges = [ln.split(None, 2) for ln in proc.stdout.splitlines() if ln.startswith("EDGE")]
     assert edges, proc.stdout
     for _, impl, rest in edges:
         assert rest == f"[{2**63 - 3}, {2**63 - 2}] {2**63 - 1}", (impl, rest)
+
+
+COUNTER_LIMITS = """
+import chemio_py as cio
+from chemio_py.errors import LimitExceededError
+c = cio.comm(); me, P = c.rank, c.size
+MAX, MIN = 2**63 - 1, -2**63
+
+
+def race(ctr, step, tries):
+    \"\"\"Every rank adds ``step`` ``tries`` times at once; (values got, refusals).\"\"\"
+    got, refused = [], 0
+    c.barrier()
+    for _ in range(tries):
+        try:
+            got.append(ctr.fetch_and_add(step))
+        except LimitExceededError as e:
+            assert "signed 64-bit range" in str(e) and "nothing was added" in str(e), e
+            assert f"cannot add {step}" in str(e), e
+            refused += 1
+    every = c.allgather((got, refused))
+    return sorted(v for g, _ in every for v in g), sum(r for _, r in every)
+
+
+for impl in ("mpi4py", "rma"):
+    # up to the top by one: exactly 10 of the 3*8 increments fit, the rest are refused
+    with cio.sync.Counter(MAX - 10, impl=impl) as ctr:
+        vals, refused = race(ctr, 1, 8)
+        assert vals == list(range(MAX - 10, MAX)), (impl, vals)
+        assert refused == 8 * P - 10, (impl, refused)
+        assert ctr.fetch_and_add(0) == MAX, impl
+    # steps of 7 from MAX-20: two fit (MAX-20, MAX-13), then MAX-6 stays, unchanged by
+    # every refusal, and six steps of one still fit
+    with cio.sync.Counter(MAX - 20, impl=impl) as ctr:
+        vals, refused = race(ctr, 7, 4)
+        assert vals == [MAX - 20, MAX - 13], (impl, vals)
+        assert refused == 4 * P - 2
+        assert ctr.fetch_and_add(0) == MAX - 6, impl
+        vals, refused = race(ctr, 1, 4)
+        assert vals == list(range(MAX - 6, MAX)) and refused == 4 * P - 6, (impl, vals)
+        assert ctr.fetch_and_add(0) == MAX
+    # down to the bottom by negative steps: no wrap to 2**63-1 either
+    with cio.sync.Counter(MIN + 9, impl=impl) as ctr:
+        vals, refused = race(ctr, -1, 6)
+        assert vals == list(range(MIN + 1, MIN + 10)), (impl, vals)
+        assert refused == 6 * P - 9
+        assert ctr.fetch_and_add(0) == MIN, impl
+        # the largest step refused at the bottom, and one that fits still works
+        try:
+            ctr.fetch_and_add(-1)
+            raise AssertionError("went below -2**63")
+        except LimitExceededError:
+            pass
+        c.barrier()
+        if me == 0:
+            assert ctr.fetch_and_add(MAX) == MIN
+        c.barrier()
+        assert ctr.fetch_and_add(0) == -1
+    if me == 0:
+        print("LIMITS OK", impl, flush=True)
+"""
+
+
+def test_counter_refuses_to_pass_int64_under_mpi(mpirun):
+    """Issue 27: the MPI counters (Fetch_and_op) wrapped from 2**63-1 to -2**63. Racing
+    ranks near either end: exactly the values that fit are handed out, once each, every
+    other call raises LimitExceededError and the counter ends at the last valid value."""
+    proc = mpirun(3, COUNTER_LIMITS, timeout=180)
+    assert proc.stdout.count("LIMITS OK") == 2, proc.stdout
