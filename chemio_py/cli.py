@@ -109,11 +109,25 @@ def cmd_clean(args: argparse.Namespace) -> int:
               "skipped": "skipped"}
     stale = kept = 0
     failed: list[str] = []
+    temps_removed = temps_kept = 0
     for i in infos:
         shown = scratch.printable(i.path)
         if i.status != "stale":
             kept += i.status in ("keep", "skipped")
             print(f"{labels.get(i.status, i.status):12s} {shown}  ({i.reason})")
+            if i.status == "in use":            # temp files of writers killed mid-write
+                sweep = scratch.sweep_temps(i.path, dry_run=args.dry_run)
+                for name, why in sweep.removed:
+                    print(f"  {'would remove' if args.dry_run else 'removed':12s} temp file "
+                          f"{scratch.printable(name)}  ({why})")
+                for name, why in sweep.kept:
+                    print(f"  {'keeping':12s} temp file {scratch.printable(name)}  ({why})")
+                for name, why in sweep.failed:
+                    failed.append(os.path.join(i.path, name))
+                    print(f"  FAILED: could not remove temp file {scratch.printable(name)}"
+                          f"  ({why})")
+                temps_removed += len(sweep.removed)
+                temps_kept += len(sweep.kept)
             continue
         stale += 1
         print(f"{'would remove' if args.dry_run else 'removing':12s} {shown}  ({i.reason})")
@@ -131,9 +145,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
     print(f"{stale} stale of {len(infos)} job directories"
           f"{' (dry run: nothing removed)' if args.dry_run else ''}"
           f"{f'; {kept} kept (see the reasons above)' if kept else ''}")
+    if temps_removed or temps_kept:
+        print(f"{temps_removed} temp file{'s' if temps_removed != 1 else ''} of dead writers "
+              f"{'would be ' if args.dry_run else ''}removed from job directories in use"
+              f"{f', {temps_kept} kept' if temps_kept else ''}")
     if failed:
         print(f"chemio clean: could not remove {len(failed)} stale job director"
-              f"{'y' if len(failed) == 1 else 'ies'}: {', '.join(map(scratch.printable, failed))} "
+              f"{'y' if len(failed) == 1 else 'ies'} or temp files: "
+              f"{', '.join(map(scratch.printable, failed))} "
               f"(see above); fix the cause and run 'chemio clean' again", file=sys.stderr)
         return 1
     return 0

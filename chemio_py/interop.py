@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import uuid as _uuid
 from typing import TYPE_CHECKING, Any
 
@@ -68,9 +69,11 @@ def dask_chunks(chunks: tuple, shape: tuple, itemsize: int,
 
 def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
     """A lazy dask array over DiskArray ``d``; ``chunks`` default: whole disk chunks
-    grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing), unless
-    its store reads without chemio (``as_dask``, e.g. ``zarr``: ``da.from_zarr`` of its
-    path, which a dask cluster whose workers only see the path can compute)."""
+    grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing), with
+    chemio's own read path and its bounds: a hostile object of a ``zarr`` array is the
+    ``MetadataError`` that ``d[...]`` raises, never a decompression bomb inflated by
+    zarr-python. A graph sent to other processes (a dask cluster) carries the array's
+    path, which each worker opens read-only with chemio (``_PathReader``)."""
     import dask.array as da
     if chunks is None:
         chunks = dask_chunks(d.chunks, d.shape, d.dtype.itemsize)
@@ -82,12 +85,46 @@ def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
                 f"to_dask of DiskArray {d.name!r} (shape {d.shape}) with chunks {chunks} "
                 f"would make {blocks} dask tasks, more than {MAX_DASK_BLOCKS} that dask's "
                 f"scheduler can hold; pass larger chunks=")
-    as_dask = getattr(getattr(d, "_store", None), "as_dask", None)
-    if as_dask is not None:
-        return as_dask(chunks)
+    # A store that others could read without chemio (``as_dask``: ``da.from_zarr``) is
+    # still read through chemio: zarr-python's decoders are not bounded.
+    source: Any = d
+    if getattr(getattr(d, "_store", None), "as_dask", None) is not None:
+        source = _PathReader(d)
     name = f"diskarray-{d.name}-{_uuid.uuid4().hex[:12]}"
-    return da.from_array(d, chunks=chunks, name=name, lock=False, fancy=False,
+    return da.from_array(source, chunks=chunks, name=name, lock=False, fancy=False,
                          meta=np.empty((0,) * d.ndim, dtype=d.dtype))
+
+
+class _PathReader:
+    """The source of ``to_dask`` for an array that other processes can open by its path
+    (``zarr``): in this process it reads through ``d``; pickled, it is the path, which a
+    worker opens read-only with ``DiskArray.open`` (once per process) and reads through
+    chemio's bounded path too."""
+
+    _opened: dict = {}                  # (path, backend) -> DiskArray opened in this process
+    _lock = threading.Lock()
+
+    def __init__(self, d: DiskArray):
+        self.path, self.backend = d.path, d.backend
+        self.shape, self.dtype, self.ndim = d.shape, d.dtype, d.ndim
+        self._d: DiskArray | None = d
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_d"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._d = None
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        d = self._d
+        if d is None:
+            with self._lock:
+                d = self._opened.get((self.path, self.backend))
+                if d is None or d.closed:
+                    d = DiskArray.open(self.path, "r", backend=self.backend)
+                    self._opened[(self.path, self.backend)] = d
+        return d[key]
 
 
 def to_xarray(d: DiskArray, dims: Any = None, coords: Any = None, *, name: str | None = None,

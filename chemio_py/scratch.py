@@ -396,24 +396,79 @@ def temp_path(path: str) -> str:
             f"{os.urandom(4).hex()}")
 
 
-def _temp_is_stale(name: str, tail: str, st: os.stat_result, now: float) -> bool:
-    """Whether the temp file ``name`` (``tail``: what follows ``.tmp``) is a dead writer's:
-    its process (of this machine, boot and pid namespace) is gone, or it is older than
-    ``TEMP_AGE``. Only regular files of this user qualify."""
+_TEMP_NAME = re.compile(r"\.(.+)\.tmp(" + _TEMP_TAIL.pattern + ")", re.S)
+_REUSE_MARGIN = 60      # seconds a process may seem to start after its temp file's mtime
+
+
+def _boot_time() -> float | None:
+    """The wall-clock time of this boot (``btime`` of /proc/stat); None when unknown."""
+    try:
+        for line in _read_proc("/proc/stat", 1 << 20).splitlines():
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _temp_verdict(tail: str, st: os.stat_result) -> tuple[str, str] | None:
+    """Whether the writer of a temp file (``tail``: what follows ``.tmp`` in its name,
+    ``st``: its lstat) still runs: ``(alive|dead|unknown, why)``; None when it is not a
+    temp file of chemio's that this user owns (left alone, not reported).
+
+    Dead only when provable: the name's writer tag is this machine's, boot's and pid
+    namespace's, /proc shows this namespace, and the pid is gone, a zombie, a process
+    that started after the file was last written (the pid was reused), or the writing
+    thread (its native id is in the name) has ended. A live thread's temp is never dead."""
     m = _TEMP_TAIL.fullmatch(tail)
     if m is None or not _stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        return False
-    if now - st.st_mtime > TEMP_AGE:
-        return True
+        return None
     pid = int(m.group(1))
-    if m.group(2) != _writer_tag() or pid == os.getpid():
-        return False                    # another machine's or namespace's, or ours: unknown
+    if m.group(2) is None:
+        return _UNKNOWN, (f"written by pid {pid} of a chemio version that did not name "
+                          f"its machine and thread: cannot tell")
+    if m.group(2) != _writer_tag():
+        return _UNKNOWN, (f"written by pid {pid} on another machine, boot or pid "
+                          f"namespace: cannot check it from here")
     try:
         if os.readlink("/proc/self") != str(os.getpid()):
-            return False                # /proc shows another pid namespace: cannot check
+            raise OSError
     except OSError:
+        return _UNKNOWN, (f"/proc is not readable here or shows another pid namespace: "
+                          f"cannot check pid {pid}")
+    tid = int(m.group(3))
+    if pid != os.getpid():
+        try:
+            state = _read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+            start = int(state[19])
+        except (FileNotFoundError, ProcessLookupError):
+            return _DEAD, f"its writer, pid {pid}, is gone"
+        except (OSError, IndexError, ValueError) as e:
+            return _UNKNOWN, f"cannot read /proc/{pid}: {getattr(e, 'strerror', None) or e}"
+        if state[0] in (b"Z", b"X"):
+            return _DEAD, f"its writer, pid {pid}, has exited"
+        boot = _boot_time()
+        if boot is not None:
+            started = boot + start / os.sysconf("SC_CLK_TCK")
+            if started > st.st_mtime + _REUSE_MARGIN:
+                return _DEAD, (f"pid {pid} now belongs to another process (started "
+                               f"{started - st.st_mtime:.0f} s after the file was written)")
+    if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+        if os.path.exists(f"/proc/{pid}"):
+            return _DEAD, f"thread {tid} of pid {pid}, its writer, has ended"
+        return _DEAD, f"its writer, pid {pid}, is gone"
+    return _ALIVE, f"its writer, thread {tid} of pid {pid}, is running"
+
+
+def _temp_is_stale(name: str, tail: str, st: os.stat_result, now: float) -> bool:
+    """Whether the temp file ``name`` (``tail``: what follows ``.tmp``) is a dead writer's:
+    its writer (of this machine, boot and pid namespace) is provably gone
+    (``_temp_verdict``), or cannot be checked and the file is older than ``TEMP_AGE``.
+    Only regular files of this user qualify; a live writer's file never does."""
+    verdict = _temp_verdict(tail, st)
+    if verdict is None or verdict[0] == _ALIVE:
         return False
-    return not _running(pid)
+    return verdict[0] == _DEAD or now - st.st_mtime > TEMP_AGE
 
 
 def remove_stale_temps(path: str) -> list[str]:
@@ -438,6 +493,60 @@ def remove_stale_temps(path: str) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+@dataclass
+class TempSweep:
+    """What ``sweep_temps`` did in one directory: ``(name, why)`` of each temp file
+    ``removed`` (or, in a dry run, that would be), ``kept`` or whose removal ``failed``."""
+    path: str
+    removed: list[tuple[str, str]]
+    kept: list[tuple[str, str]]
+    failed: list[tuple[str, str]]
+
+
+def sweep_temps(d: str, dry_run: bool = False, aged: bool = False) -> TempSweep:
+    """Remove the temp files of atomic writes (``.<name>.tmp<pid>…``, ``temp_path``) in
+    directory ``d`` whose writers are provably gone (``_temp_verdict``): a create killed
+    before its rename leaves one, which nothing else removes while its job directory is
+    in use. ``aged``: also those whose writer cannot be checked and that are older than
+    ``TEMP_AGE`` (the library's rule; ``chemio clean`` keeps them). Files of live writers,
+    of other users and anything else stay. Never raises."""
+    out = TempSweep(d, [], [], [])
+    try:
+        with os.scandir(d) as entries:
+            names = sorted(e.name for e in entries if e.name.startswith("."))
+    except OSError:
+        return out
+    now = time.time()
+    for name in names:
+        m = _TEMP_NAME.fullmatch(name)
+        if m is None:
+            continue
+        p = os.path.join(d, name)
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        verdict = _temp_verdict(m.group(2), st)
+        if verdict is None:
+            continue
+        state, why = verdict
+        if state == _UNKNOWN and aged and now - st.st_mtime > TEMP_AGE:
+            state, why = _DEAD, f"{why}; older than {TEMP_AGE} s"
+        if state != _DEAD:
+            out.kept.append((name, why))
+            continue
+        if not dry_run:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                continue                # its writer's cleanup, or another sweep, was first
+            except OSError as e:
+                out.failed.append((name, f"{why}; cannot remove it: {e.strerror or e}"))
+                continue
+        out.removed.append((name, why))
+    return out
 
 
 _WRITE_NEW = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -623,6 +732,7 @@ def _leave_job_dir(j: _JobDir) -> None:
     """Drop our lease; the last process out removes the marker and the directory."""
     try:
         _unlink_quiet(os.path.join(j.path, _lease_name(j.pid)))
+        sweep_temps(j.path, aged=True)  # temp files of writers killed mid-write
         if not j.marked or any(n != MARKER_NAME for n in os.listdir(j.path)):
             return
         _unlink_quiet(os.path.join(j.path, MARKER_NAME))

@@ -140,3 +140,78 @@ def test_to_dask_of_an_empty_array_with_a_huge_axis():
         assert int(x.sum().compute()) == 0
     finally:
         d.close()
+
+
+TO_DASK_BOMB = """
+import json, os, sys
+import chemio_py as cio
+path = sys.argv[1]
+
+def hwm():
+    return int(next(ln for ln in open("/proc/self/status")
+                    if ln.startswith("VmHWM:")).split()[1]) / 1024
+
+with cio.DiskArray.open(path) as d:
+    d.to_dask()[:1, :1]                       # the default chunks: the whole array
+    x = d.to_dask(chunks=(32, 256))           # a task per storage object
+    x[:1, :1].compute()                       # imports and warm-up; the bomb is not read
+    import numpy as np, dask
+    base = hwm()
+    try:
+        x.compute(scheduler="threads")
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    print(json.dumps({"error": error, "growth_mib": hwm() - base}))
+"""
+
+
+def _zstd_rle_frame(blocks):
+    """A zstd frame without content size of ``blocks`` RLE blocks of 128 KiB of zeros."""
+    out = bytearray(b"\x28\xb5\x2f\xfd\x00\x38")
+    for i in range(blocks):
+        out += (int(i == blocks - 1) | (1 << 1) | ((1 << 17) << 3)).to_bytes(3, "little")
+        out += b"\0"
+    return bytes(out)
+
+
+def test_to_dask_of_a_zarr_array_decodes_with_chemio_bounds(tmp_path):
+    """``to_dask()`` of a zarr-backed array reads through chemio's bounded decoders, as
+    ``d[...]`` does: a decompression bomb in one storage object (a 32 KB zstd frame of
+    512 MiB for a 64 KiB chunk) is chemio's ``MetadataError`` naming the object, and
+    memory stays flat (zarr-python's own decoder inflates the frame whole)."""
+    import os
+    import json
+    pytest.importorskip("zarr")
+    path = str(tmp_path / "bomb.zarr")
+    d = cio.DiskArray.create("bomb", (64, 256), "f8", chunks=(32, 256), backend="zarr",
+                             path=str(tmp_path), compressor="zstd", inner_chunks=False)
+    d.write_all((), np.ones((64, 256)))
+    d.close()
+    obj = os.path.join(path, "c", "1", "0")
+    with open(obj, "wb") as f:
+        f.write(_zstd_rle_frame(4096))
+    r = subprocess.run([sys.executable, "-c", TO_DASK_BOMB, path], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] is not None and out["error"].startswith("MetadataError"), out
+    assert obj in out["error"], out
+    assert out["growth_mib"] < 64, out
+
+
+def test_to_dask_of_a_zarr_array_reads_it_and_pickles_by_path(tmp_path):
+    import pickle
+    pytest.importorskip("zarr")
+    model = np.arange(40 * 30, dtype="f8").reshape(40, 30)
+    with cio.DiskArray.create("z", (40, 30), "f8", chunks=(10, 30), backend="zarr",
+                              path=str(tmp_path), compressor="zstd") as d:
+        d.write_all((), model)
+        x = d.to_dask(chunks=(20, 30))
+        assert x.chunks == ((20, 20), (30,))
+        assert (x.compute() == model).all()
+        assert float(x[5:25].sum().compute()) == model[5:25].sum()
+        # a worker that only sees the path reopens the array with chemio, read-only
+        y = pickle.loads(pickle.dumps(x))
+        assert (y.compute() == model).all()
+        d.delete()

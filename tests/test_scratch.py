@@ -113,3 +113,107 @@ def test_scratch_dir_symlink_is_refused(tmp_path):
     with pytest.raises(OSError, match="not a directory"):
         cio.ExclusiveFile("x", "w+")
     assert os.listdir(target) == []
+
+
+KILLED_CREATE = """
+import os, signal, sys
+import chemio_py as cio
+def killed(*args, **kw):                   # the process dies right before the rename
+    os.kill(os.getpid(), signal.SIGKILL)
+os.replace = killed
+cio.DiskArray.create("a", (8,), "f8", path=sys.argv[1], persistent=True)
+"""
+
+
+def test_clean_removes_dead_writers_temp_files_in_a_live_job_dir(tmp_path):
+    """A create killed before its rename leaves ``.<name>.dra.json.tmp<pid>...`` in a job
+    directory that is still in use: ``chemio clean`` removes it (and any temp file whose
+    writer is provably gone), keeps those of live writers and those it cannot check, and
+    says which; the job's own cleanup at exit sweeps them too, and removes the directory."""
+    import time
+    root = tmp_path / "root"
+    root.mkdir()
+    env = {**os.environ, "CHEMIO_SCRATCH": str(root)}
+    job = subprocess.Popen(
+        [sys.executable, "-c",
+         "import chemio_py as cio, sys\n"
+         "f = cio.ExclusiveFile('live', 'w+')\n"
+         "print(f.path, flush=True)\n"
+         "sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        jobdir = os.path.dirname(job.stdout.readline().strip())
+        before = set(os.listdir(jobdir))
+        k = subprocess.run([sys.executable, "-c", KILLED_CREATE, jobdir], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert k.returncode == -signal.SIGKILL, k.stderr
+        killed = [n for n in set(os.listdir(jobdir)) - before if ".tmp" in n]
+        assert len(killed) == 1 and killed[0].startswith(".a.dra.json.tmp"), killed
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout.strip()
+        tag, p = scratch._writer_tag(), job.pid
+        names = {
+            "live": f".b.dra.json.tmp{p}.{tag}.{p}.0000abcd",         # job's main thread
+            "reused": f".c.dra.json.tmp{p}.{tag}.{p}.0000beef",       # older than the job
+            "dead": f".d.dra.json.tmp{dead}.{tag}.{dead}.12345678",
+            "old_style": f".e.dra.json.tmp{dead}",                    # where: unknown
+            "foreign": f".f.dra.json.tmp{dead}.00000000.{dead}.12345678",
+        }
+        for n in names.values():
+            with open(os.path.join(jobdir, n), "w") as fh:
+                fh.write("{")
+        old = time.time() - 3600
+        os.utime(os.path.join(jobdir, names["reused"]), (old, old))
+
+        dry = run_cli("clean", "--dry-run", "--root", str(root), env=env)
+        assert dry.returncode == 0, dry.stderr
+        assert "in use" in dry.stdout and "would remove" in dry.stdout, dry.stdout
+        assert set(names.values()) | set(killed) <= set(os.listdir(jobdir))
+
+        wet = run_cli("clean", "--root", str(root), env=env)
+        assert wet.returncode == 0, wet.stderr
+        left = set(os.listdir(jobdir))
+        gone = {killed[0], names["reused"], names["dead"]}
+        assert not gone & left, (wet.stdout, left)
+        assert {names["live"], names["old_style"], names["foreign"]} <= left, wet.stdout
+        out = wet.stdout
+        assert f"removed      temp file {killed[0]}" in out and "is gone" in out, out
+        assert "now belongs to another process" in out, out
+        assert f"keeping      temp file {names['live']}" in out and "is running" in out, out
+        assert "3 temp files of dead writers removed" in out and "3 kept" in out, out
+        assert os.path.exists(os.path.join(jobdir, "live.0"))
+
+        # the job's own cleanup at exit sweeps dead writers' temp files too
+        for n in (names["live"], names["old_style"], names["foreign"]):
+            os.unlink(os.path.join(jobdir, n))
+        for n in set(os.listdir(jobdir)) - before:   # the killed create's data file
+            os.unlink(os.path.join(jobdir, n))
+        with open(os.path.join(jobdir, names["dead"]), "w") as fh:
+            fh.write("{")
+        job.stdin.write("\n")
+        job.stdin.flush()
+        assert job.wait(timeout=120) == 0
+        assert not os.path.exists(jobdir), os.listdir(jobdir)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+def test_temp_verdicts(tmp_path):
+    tag = scratch._writer_tag()
+    me, tid = os.getpid(), __import__("threading").get_native_id()
+    f = tmp_path / "x"
+    f.write_text("{")
+    st = os.lstat(f)
+    assert scratch._temp_verdict(f"{me}.{tag}.{tid}.00000000", st)[0] == "alive"
+    assert scratch._temp_verdict(f"{me}.{tag}.{2 ** 22 + 7}.00000000", st)[0] == "dead"
+    assert scratch._temp_verdict(f"{me}", st)[0] == "unknown"
+    assert scratch._temp_verdict("not-a-pid", st) is None
+    # a live writer's temp file stays whatever its age; the library removes only the
+    # aged ones it cannot check
+    old = os.stat(f).st_mtime - 3600
+    os.utime(f, (old, old))
+    st = os.lstat(f)
+    assert not scratch._temp_is_stale("", f"{me}.{tag}.{tid}.00000000", st, old + 3600)
+    assert scratch._temp_is_stale("", f"{me}", st, old + 3600)
