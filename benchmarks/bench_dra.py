@@ -17,6 +17,10 @@ Methods, on the same data in the same run, interleaved in rotating order:
   also ``DRA hinted``, created with ``request_shape`` = the section shape (informational: an
   aligned section is then one contiguous range; with the default 4 MB chunks a section
   covers half of each chunk row, so its reads skip every other 16 MB of the file);
+* ``DRA checksum`` — the same ``DRA`` created with ``checksum=True`` (a CRC-32 per chunk,
+  issue 27): every write recomputes the CRCs of the chunks it touches (a chunk written in
+  part is read back whole), every read checks them (a chunk read in part is read whole).
+  Reported as its ratio to ``DRA`` in the same run: the cost of opting in (informational);
 * ``raw`` — sequential ``os.pwritev`` of the same number of bytes into a preallocated file
   (4 MiB calls) + ``fdatasync``, and sequential ``os.preadv`` of them into the same
   destination array: the device limit as this process sees it;
@@ -98,14 +102,21 @@ class _Method:
 class _DRA(_Method):
     name = "DRA"
 
-    def __init__(self, workdir: str, n: int, request_shape: tuple | None = None):
+    def __init__(self, workdir: str, n: int, request_shape: tuple | None = None,
+                 checksum: bool = False):
         import chemio_py as cio
         if request_shape is not None:
             self.name = "DRA hinted"
+        if checksum:
+            self.name = "DRA checksum"
         self.d = cio.DiskArray.create("bench", (n, n), "f8", request_shape=request_shape,
-                                      path=os.path.join(workdir, f"{self.name[4:] or 'a'}.dra"))
+                                      path=os.path.join(workdir, f"{self.name[4:] or 'a'}.dra"),
+                                      checksum=checksum)
 
     def files(self) -> list[str]:
+        if self.d.checksum:
+            from chemio_py.diskarray import crc_path
+            return [self.d.path, crc_path(self.d.path)]
         return [self.d.path]
 
     def evict(self) -> None:
@@ -275,7 +286,8 @@ def run(quick: bool, workdir: str) -> list[dict]:
     notes = []
     dra = _DRA(workdir, n)
     chunks = dra.d.chunks
-    methods += [dra, _DRA(workdir, n, request_shape=(s, s)), _Raw(workdir, nbytes),
+    methods += [dra, _DRA(workdir, n, request_shape=(s, s)), _DRA(workdir, n, checksum=True),
+                _Raw(workdir, nbytes),
                 _Memmap(workdir, n)]
     for cls in (_H5, _Zarr):
         try:
@@ -339,6 +351,12 @@ def run(quick: bool, workdir: str) -> list[dict]:
             rows.append(row(f"DRA (request_shape={s}x{s}) {op} {case}", "MiB/s",
                             bw("DRA hinted", op, case), base, bw("raw", op, case),
                             note=f"one {s}x{s} chunk per aligned section; median of {reps}"))
+    for op in ("write", "cold read", "hot read", "hot read again"):
+        for case in cases:
+            rows.append(row(f"DRA checksum=True vs False: {op} {case}", "MiB/s",
+                            bw("DRA checksum", op, case), "DRA (checksum=False)",
+                            bw("DRA", op, case),
+                            note=f"CRC-32 per chunk, checked on read; {size}; median of {reps}"))
     if bw("h5py", "cold read", "aligned") is not None:
         rows.append(row(f"DRA (request_shape={s}x{s}) vs h5py: cold read aligned", "MiB/s",
                         bw("DRA hinted", "cold read", "aligned"), "h5py",

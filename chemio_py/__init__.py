@@ -31,8 +31,8 @@ from . import errors  # noqa: E402
 from .comm import comm  # noqa: E402
 from .config import configure, settings  # noqa: E402
 from .errors import (  # noqa: E402
-    BackendUnavailableError, ChemIOError, EndOfFileError, LimitExceededError, MetadataError,
-    ModeError, OutOfSpaceError, SectionError, SupersededError, UnobservedIOError,
+    BackendUnavailableError, ChecksumError, ChemIOError, EndOfFileError, LimitExceededError,
+    MetadataError, ModeError, OutOfSpaceError, SectionError, SupersededError, UnobservedIOError,
 )
 from .diskarray import DiskArray, block_section  # noqa: E402
 from .exclusive import ExclusiveFile  # noqa: E402
@@ -62,6 +62,7 @@ __all__ = [
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
     "comm", "stat", "FsInfo", "cleanup", "report", "ls", "aligned_empty", "errors",
     "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",
-    "LimitExceededError", "MetadataError", "BackendUnavailableError", "SupersededError",
+    "LimitExceededError", "MetadataError", "ChecksumError", "BackendUnavailableError",
+    "SupersededError",
     "UnobservedIOError", "__version__",
 ]

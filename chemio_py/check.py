@@ -2,9 +2,11 @@
 
 * A **DiskArray** is named by its data file (``x.dra``) or its metadata (``x.dra.json``):
   the metadata must be valid (``chemio_py.meta``), the data file present, a regular file,
-  and exactly as large as the raw grid layout of its shape, dtype and chunks. ``--read``
-  also reads every byte and counts the chunks that are all zero (fine: unwritten
-  elements read as zero).
+  and exactly as large as the raw grid layout of its shape, dtype and chunks; an array
+  created with ``checksum=True`` also needs its checksum file (``<data>.crc``, 4 bytes per
+  chunk). ``--read`` also reads every byte and counts the chunks that are all zero (fine:
+  unwritten elements read as zero), and with checksums checks the CRC-32 of every chunk
+  (each mismatch is a problem naming the chunk, its offset, the expected and found CRC).
 * A **RecordFile**: its commit slots, the index of the commit it opens at (trailer, CRC,
   page table inside the file), every page (readable, decompresses, CRC), every record
   (parses, the count matches the index).
@@ -173,6 +175,8 @@ def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool,
         rep.notes.append(f"the metadata names its data {m.data!r}, the file checked is "
                          f"{os.path.basename(dpath)!r} (renamed?)")
     rep.facts["data"] = dpath
+    rep.facts["checksum"] = (f"{m.checksum} per chunk" if m.checksum else
+                             "none (created without checksum=True)")
     if m.layout != "grid":
         rep.notes.append(f"format {m.layout!r} (backend {m.backend!r}) is its store's own: "
                          f"only the metadata was checked")
@@ -198,30 +202,75 @@ def check_diskarray(rep: Report, mpath: str, dpath: str | None, read_all: bool,
             return
         rep.ok(f"data file {dpath!r}: a regular file of exactly {size} bytes (the raw grid "
                f"layout)")
-        if read_all:
-            _read_chunks(rep, fd, dpath, m, progress)
+        cfd = _open_checksums(rep, dpath, m) if m.checksum else None
+        if m.checksum and cfd is None:
+            return
+        try:
+            if read_all:
+                if cfd is None:
+                    rep.notes.append("the array has no checksums (created without "
+                                     "checksum=True): the bytes were read, but damage inside "
+                                     "a chunk cannot be detected")
+                _read_chunks(rep, fd, dpath, m, progress, cfd)
+        finally:
+            if cfd is not None:
+                os.close(cfd)
     finally:
         os.close(fd)
 
 
-def _read_chunks(rep: Report, fd: int, path: str, m: Any, progress: Any = False) -> None:
+def _open_checksums(rep: Report, dpath: str, m: Any) -> int | None:
+    """The descriptor of the checksum file of a checksummed array, if it is sound."""
+    from .diskarray import crc_path
+    from .layout import Layout
+    cpath = crc_path(dpath)
+    want = 4 * math.prod(Layout(m.shape, m.chunks, m.dtype.itemsize).grid)
+    try:
+        cfd = open_regular(cpath)
+    except FileNotFoundError:
+        rep.bad(f"checksum file {cpath!r} is missing (the metadata says the array has "
+                f"{m.checksum} checksums): restore it, or the array cannot be opened")
+        return None
+    except (NotARegularFile, OSError) as e:
+        rep.bad(f"checksum file {cpath!r} cannot be opened: {e}")
+        return None
+    size = os.fstat(cfd).st_size
+    if size != want:
+        os.close(cfd)
+        rep.bad(f"checksum file {cpath!r} has {size} bytes but the array needs exactly "
+                f"{want} (4 per chunk)")
+        return None
+    rep.ok(f"checksum file {cpath!r}: a regular file of exactly {want} bytes (one "
+           f"{m.checksum} per chunk)")
+    return cfd
+
+
+def _chunk_runs(lay: Any) -> Any:
+    """(grid index, offset, nbytes) of every chunk, in file order (= chunk number order)."""
+    off = 0
+    for index in np.ndindex(*lay.grid):
+        n = math.prod(lay.chunk_extent(index)) * lay.itemsize
+        yield index, off, n
+        off += n
+
+
+def _read_chunks(rep: Report, fd: int, path: str, m: Any, progress: Any = False,
+                 cfd: int | None = None) -> None:
+    from .diskarray import _zero_crc
     from .layout import Layout
     lay = Layout(m.shape, m.chunks, m.dtype.itemsize)
     nchunks = math.prod(lay.grid)
     buf = np.empty(min(BLOCK, max(lay.nbytes, 1)), np.uint8)
-    if nchunks == 0 or nchunks > MAX_ZERO_SCAN_CHUNKS:
-        runs = [(0, lay.nbytes)]            # one run: readable, zero chunks not counted
+    runs: Any
+    if cfd is None and (nchunks == 0 or nchunks > MAX_ZERO_SCAN_CHUNKS):
+        runs = [(None, 0, lay.nbytes)]      # one run: readable, zero chunks not counted
     else:
-        runs = []
-        off = 0
-        for index in np.ndindex(*lay.grid):
-            n = math.prod(lay.chunk_extent(index)) * lay.itemsize
-            runs.append((off, n))
-            off += n
-    zero = 0
+        runs = _chunk_runs(lay)
+    zero = verified = mismatched = 0
     with Progress(progress, lay.nbytes, f"check {os.path.basename(path)}") as bar:
-        for off, n in runs:
+        for number, (index, off, n) in enumerate(runs):
             allzero = True
+            crc = 0
             done = 0
             while done < n:
                 k = min(n - done, len(buf))
@@ -233,11 +282,31 @@ def _read_chunks(rep: Report, fd: int, path: str, m: Any, progress: Any = False)
                     return
                 if allzero and buf[:k].any():
                     allzero = False
+                if cfd is not None:
+                    crc = zlib.crc32(buf[:k], crc)  # type: ignore[arg-type]
                 done += k
                 bar.update(k)
             zero += allzero
+            if cfd is not None:
+                try:
+                    raw = _pread_exact(cfd, 4 * number, 4, path + ".crc")
+                except _EXPECTED as e:
+                    rep.bad(f"checksum of chunk {list(index)} cannot be read: {e}")
+                    return
+                expected = int.from_bytes(raw, "little") ^ _zero_crc(n)
+                verified += 1
+                if crc != expected:
+                    mismatched += 1
+                    rep.bad(f"checksum mismatch: chunk {list(index)} (number {number}, {n} "
+                            f"bytes at offset {off}) has CRC32 {crc:#010x}, expected "
+                            f"{expected:#010x}: its data (or its checksum) is damaged")
     rep.ok(f"data: all {lay.nbytes} bytes read")
-    if len(runs) > 1 or nchunks == 1:
+    if cfd is not None:
+        rep.facts["chunks_verified"] = verified
+        rep.facts["checksum_mismatches"] = mismatched
+        if not mismatched:
+            rep.ok(f"checksums: all {verified} chunks match their {m.checksum}")
+    if cfd is not None or nchunks <= MAX_ZERO_SCAN_CHUNKS and nchunks:
         rep.facts["chunks_all_zero"] = f"{zero} of {nchunks}"
         if zero:
             rep.notes.append(f"{zero} of {nchunks} chunks are all zero (never written, or "
@@ -552,8 +621,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a DiskArray data file (.dra), its metadata (.dra.json), a "
                    "Zarr v3 array (its directory), or a RecordFile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--read", action="store_true", help="DiskArray: also read every byte "
-                   "and count the all-zero chunks")
+    p.add_argument("--read", action="store_true", help="DiskArray: also read every byte, "
+                   "count the all-zero chunks and, for an array with checksums, check "
+                   "every chunk's CRC")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -21,7 +21,10 @@ import math
 import operator
 import os
 import socket
+import stat
+import threading
 import time
+import zlib
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -31,7 +34,7 @@ import chemio_py.backends as _backends
 from . import config, handles, layout as _layout, meta as _meta, reprs, requests, scratch, stats
 from . import sections as _sections
 from .comm import Comm, resolve as _resolve_comm
-from .errors import (ArgumentError, ChemIOError, MetadataError,
+from .errors import (ArgumentError, ChecksumError, ChemIOError, MetadataError,
                      ModeError, NotSharedError, SectionError, SupersededError)
 
 if TYPE_CHECKING:
@@ -98,6 +101,232 @@ def _as_values(value: Any, dtype: np.dtype) -> np.ndarray:
     return arr
 
 
+# ---------------------------------------------------------------- per-chunk checksums
+#
+# ``DiskArray.create(..., checksum=True)`` (backends local, shm, auto: the raw grid format
+# read and written by this process) keeps one CRC-32 (``zlib.crc32``: C speed, no new
+# dependency) per chunk in a sidecar beside the metadata, ``<data file>.crc``: a flat
+# array of little-endian uint32, one per chunk in C order of the chunk grid, nothing else
+# (its size is exactly 4 bytes per chunk). A chunk's CRC is that of its elements in C order
+# of its own extent: its bytes in the grid file. An entry holds ``crc ^ crc(zeros)`` (the
+# CRC of as many zero bytes), so a new sidecar, all zeros (a sparse file), says every chunk
+# is zeros, as a new array is: a chunk never written needs no entry and no sentinel.
+#
+# Writes: after a write completes, every chunk it touched gets its entry recomputed, a
+# chunk written whole from the data in memory, a chunk written in part from the whole
+# chunk read back. The read-back and the entry's write hold the entry's lock (a thread lock
+# and an exclusive ``fcntl`` lock on the entry's first byte, open-file-description where the
+# kernel has them, as the zarr backend's partial writes): so independent writers of
+# disjoint parts of one chunk, in any processes, leave the CRC of the chunk's final bytes
+# (the last to take the lock read after every write that came before). Writers of the same
+# elements at the same time leave undefined data, and the CRC may then not match it.
+# ``write_all``: every rank recomputes the chunks it touched after the end of the write's
+# agreement (an allgather: every rank's writes are complete), so a chunk shared by several
+# ranks is recomputed by each of them from the same final bytes, to the same value:
+# idempotent, no communication. A write that fails leaves the chunks it touched unverified:
+# reading them raises ``ChecksumError`` until they are written again (their data is
+# undefined). Reads: every chunk a read meets is checked, a chunk read in part by reading
+# all of it (its bytes then come from that read: what is returned is what was checked).
+
+CRC_SUFFIX = ".crc"
+CHECKSUM_ALGORITHM = "crc32"
+_CRC_ENTRY = 4
+_ZERO_CRCS: dict[int, int] = {}
+_CRC_STRIPES = [threading.Lock() for _ in range(64)]
+
+
+def crc_path(data: str) -> str:
+    """The checksum sidecar of the array whose data is at ``data``."""
+    return data + CRC_SUFFIX
+
+
+def _zero_crc(nbytes: int) -> int:
+    """CRC-32 of ``nbytes`` zero bytes (cached: few chunk sizes per array)."""
+    crc = _ZERO_CRCS.get(nbytes)
+    if crc is None:
+        block = bytes(min(nbytes, 1 << 20))
+        crc, left = 0, nbytes
+        while left:
+            k = min(left, len(block))
+            crc = zlib.crc32(memoryview(block)[:k], crc)
+            left -= k
+        if len(_ZERO_CRCS) < 4096:
+            _ZERO_CRCS[nbytes] = crc
+    return crc
+
+
+def _crc_of(a: np.ndarray) -> int:
+    """CRC-32 of ``a``'s elements in C order."""
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    return zlib.crc32(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def _entry_lock(fd: int, at: int, take: bool) -> None:
+    from .backends.zarr_v3 import _byte_lock      # the zarr backend's partial-write lock
+    _byte_lock(fd, at, take)
+
+
+class _Checksums:
+    """The open checksum sidecar of one DiskArray handle (see the comment above)."""
+
+    def __init__(self, path: str, fd: int, lay: _layout.Layout, dtype: np.dtype,
+                 data_path: str, writable: bool):
+        self.path = path
+        self.fd = fd
+        self.layout = lay
+        self.dtype = dtype
+        self.data_path = data_path
+        self.writable = writable
+        self._buffers = threading.local()   # one chunk buffer per thread, reused
+
+    @staticmethod
+    def make(data: str, lay: _layout.Layout, perms: int) -> str:
+        """Create the sidecar of a new array (all entries zero: every chunk zeros), as a
+        new file renamed into place (a handle of an array it replaces keeps the old one)."""
+        path = crc_path(data)
+        tmp = scratch.temp_path(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     perms)
+        try:
+            try:
+                os.ftruncate(fd, math.prod(lay.grid) * _CRC_ENTRY)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            scratch.remove_path(tmp)
+            raise
+        return path
+
+    @classmethod
+    def open(cls, data: str, lay: _layout.Layout, dtype: np.dtype,
+             writable: bool) -> "_Checksums":
+        path = crc_path(data)
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC | \
+            os.O_NONBLOCK
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            raise MetadataError(
+                f"the DiskArray {data!r} was created with checksum=True but its checksum "
+                f"file {path!r} is missing; restore it from where the array came from (the "
+                f"array is its data file, its .json and its .crc)") from None
+        except OSError as e:
+            raise MetadataError(f"the checksum file {path!r} of DiskArray {data!r} cannot be "
+                                f"opened: {e}") from None
+        try:
+            st = os.fstat(fd)
+            want = math.prod(lay.grid) * _CRC_ENTRY
+            if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+                what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else \
+                    f"has {st.st_size} bytes"
+                raise MetadataError(
+                    f"the checksum file {path!r} of DiskArray {data!r} {what}; it must be a "
+                    f"regular file of exactly {want} bytes (4 per chunk of the grid "
+                    f"{list(lay.grid)}): it is damaged or not this array's")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, lay, dtype, data, writable)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def flush(self) -> None:
+        if self.writable and self.fd >= 0:
+            os.fsync(self.fd)
+
+    # ------------------------------------------------------------ entries
+    def _number(self, index: Sequence[int]) -> int:
+        n = 0
+        for i, g in zip(index, self.layout.grid):
+            n = n * g + i
+        return n
+
+    def _expected(self, n: int, nbytes: int) -> int:
+        raw = os.pread(self.fd, _CRC_ENTRY, n * _CRC_ENTRY)
+        if len(raw) != _CRC_ENTRY:
+            raise MetadataError(f"the checksum file {self.path!r} is shorter than its array "
+                                f"needs (entry {n} is missing): it was truncated")
+        return int.from_bytes(raw, "little") ^ _zero_crc(nbytes)
+
+    def _put(self, n: int, crc: int, nbytes: int) -> None:
+        entry = (crc ^ _zero_crc(nbytes)).to_bytes(_CRC_ENTRY, "little")
+        if os.pwrite(self.fd, entry, n * _CRC_ENTRY) != _CRC_ENTRY:
+            raise OSError(f"short write of a checksum to {self.path!r}")
+
+    @staticmethod
+    def _rel(region: tuple, piece: Any) -> tuple[slice, ...]:
+        return tuple(slice(s - r.start, s - r.start + k)
+                     for s, k, r in zip(piece.start, piece.shape, region))
+
+    def _chunk(self, store: Any, piece: Any) -> np.ndarray:
+        """The whole chunk of ``piece``, read from the store."""
+        lay = self.layout
+        raw = getattr(self._buffers, "chunk", None)
+        if raw is None:
+            raw = self._buffers.chunk = np.empty(lay.chunk_nbytes, np.uint8)
+        buf = raw[:math.prod(piece.extent) * self.dtype.itemsize].view(self.dtype) \
+            .reshape(piece.extent)
+        store.read(tuple(slice(i * c, i * c + e) for i, c, e in
+                         zip(piece.index, lay.chunks, piece.extent)), buf)
+        return buf
+
+    def _mismatch(self, piece: Any, n: int, nbytes: int, expected: int,
+                  found: int) -> ChecksumError:
+        return ChecksumError(self.data_path, piece.index, n, piece.offset, nbytes, expected,
+                             found, self.path)
+
+    # ------------------------------------------------------------ the hooks
+    def updated(self, store: Any, region: tuple, src: np.ndarray) -> None:
+        """After a write of ``src`` to ``region`` completed: recompute the entries of the
+        chunks it touched (whole chunks from ``src``, others read back under the lock)."""
+        isz = self.dtype.itemsize
+        for piece in self.layout.pieces(region):
+            n = self._number(piece.index)
+            nbytes = math.prod(piece.extent) * isz
+            if piece.shape == piece.extent:
+                self._put(n, _crc_of(src[self._rel(region, piece)]), nbytes)
+                continue
+            at = n * _CRC_ENTRY
+            with _CRC_STRIPES[n % len(_CRC_STRIPES)]:
+                _entry_lock(self.fd, at, True)
+                try:
+                    self._put(n, _crc_of(self._chunk(store, piece)), nbytes)
+                finally:
+                    _entry_lock(self.fd, at, False)
+
+    def verify(self, store: Any, region: tuple, target: np.ndarray) -> None:
+        """After a read of ``region`` into ``target``: check every chunk it met (a chunk
+        read in part: all of it is read and checked, and the part copied from it)."""
+        isz = self.dtype.itemsize
+        for piece in self.layout.pieces(region):
+            n = self._number(piece.index)
+            nbytes = math.prod(piece.extent) * isz
+            rel = self._rel(region, piece)
+            whole = piece.shape == piece.extent
+            chunk = target[rel] if whole else self._chunk(store, piece)
+            found = _crc_of(chunk)
+            expected = self._expected(n, nbytes)
+            if found != expected:
+                raise self._mismatch(piece, n, nbytes, expected, found)
+            if not whole:
+                target[rel] = chunk[tuple(slice(s - i * c, s - i * c + k) for s, k, i, c in
+                                          zip(piece.start, piece.shape, piece.index,
+                                              self.layout.chunks))]
+
+
+def _verify_then_copy(sums: _Checksums, store: Any, region: tuple, target: np.ndarray,
+                      back: np.ndarray | None) -> None:
+    sums.verify(store, region, target)
+    if back is not None:
+        back[...] = target
+
+
 class _Releaser:
     """What ``cio.cleanup()`` closes at exit: the local handle only, never a collective."""
 
@@ -140,6 +369,41 @@ def _check_options(be: Any, be_name: str, options: dict) -> dict:
     return dict(options)
 
 
+CHECKSUM_BACKENDS = ("local", "shm", "auto")
+
+
+def _check_checksum(be: Any, be_name: str, checksum: Any, why: str = "") -> None:
+    """Refuse a ``checksum=`` that is not a bool, or checksums on a backend that cannot
+    keep them: chemio keeps them for stores it reads and writes chunk by chunk itself, in
+    the raw grid format, opened by each process alone (not ``zarr``, not ``mpiio``)."""
+    if not isinstance(checksum, bool):
+        raise ArgumentError(f"checksum must be True (a CRC-32 per chunk, checked on every "
+                            f"read) or False, got {checksum!r}")
+    if not checksum:
+        return
+    if isinstance(be, _backends.SelfDescribing):
+        raise ArgumentError(
+            f"backend {be_name!r} does not take checksum=True{why}: chemio keeps per-chunk "
+            f"checksums for the raw grid backends {list(CHECKSUM_BACKENDS)}; on {be_name!r} "
+            f"(Zarr v3) per-chunk crc32c codecs are not offered yet (sharded arrays already "
+            f"checksum their shard indexes). Use backend='local' (or 'shm', 'auto') with "
+            f"checksum=True, or {be_name!r} without it")
+    if _backends.is_collective(be) or "grid" not in _backends.array_formats(be):
+        raise ArgumentError(
+            f"backend {be_name!r} does not take checksum=True{why}: chemio keeps per-chunk "
+            f"checksums only where it reads back what every process wrote through its own "
+            f"handle ({list(CHECKSUM_BACKENDS)}); {be_name!r} opens arrays collectively. "
+            f"'local' writes the same raw grid format byte for byte: use backend='local' "
+            f"with checksum=True (write_all works there too), or {be_name!r} without it")
+
+
+def _checksum_meta(checksum: bool) -> dict:
+    """The metadata fields of ``checksum=``: format 2 and the algorithm when True."""
+    if not checksum:
+        return {}
+    return {"checksum": CHECKSUM_ALGORITHM, "format": _meta.FORMAT_CHECKSUM}
+
+
 def _attributes(inside: bool, m: _meta.Meta) -> dict:
     """What ``open_array`` gets on creation: the metadata document, for a backend that
     keeps it inside the object."""
@@ -152,6 +416,15 @@ def _record(be: Any, m: _meta.Meta, data: str, mpath: str, keep: bool, inside: b
     if not keep:
         scratch.own(data, be.remove)
     if not inside:
+        crc = crc_path(data)                # the checksums first: never metadata without
+        if m.checksum:
+            _Checksums.make(data, _layout.Layout(m.shape, m.chunks, m.dtype.itemsize),
+                            0o666 if keep else 0o600)
+            if not keep:
+                scratch.own(crc)
+        elif os.path.lexists(crc):          # those of an array this one replaces
+            scratch.disown(crc)
+            scratch.remove_path(crc)
         _meta.write_atomic(mpath, _meta.dumps(m), 0o666 if keep else 0o600)
         if not keep:
             scratch.own(mpath)
@@ -250,8 +523,10 @@ class DiskArray:
     """
 
     def __init__(self, *, store: Any, backend_obj: Any, backend_name: str, meta: _meta.Meta,
-                 data_path: str, meta_path: str, mode: str, comm: Comm, owner: bool):
+                 data_path: str, meta_path: str, mode: str, comm: Comm, owner: bool,
+                 checksums: _Checksums | None = None):
         self._store = store
+        self._sums = checksums
         self._caps = _backends.capabilities(store)
         self._be = backend_obj
         self.backend = backend_name
@@ -273,7 +548,7 @@ class DiskArray:
     def create(cls, name: str, shape: Any, dtype: Any, *, request_shape: Any = None,
                chunks: Any = None, backend: str | None = None, path: Any = None,
                persistent: bool = False, overwrite: bool = False,
-               comm: Any = None, **options: Any) -> "DiskArray":
+               comm: Any = None, checksum: bool = False, **options: Any) -> "DiskArray":
         """Create an array of ``shape`` and ``dtype``, every element zero. Collective.
 
         Layout: ``chunks`` if given, else chunks shaped by ``request_shape`` (a typical
@@ -288,6 +563,11 @@ class DiskArray:
         ``DiskArray.open`` reopens it with any number of ranks. An existing array there is
         replaced only with ``overwrite=True``. Other keywords are options of the backend
         (e.g. ``compressor=`` for ``zarr``); a backend refuses options it does not know.
+
+        ``checksum=True`` (backends ``local``, ``shm``, ``auto``) keeps a CRC-32 per chunk
+        in ``<data>.crc``: every write updates the CRCs of the chunks it touches, every
+        read checks those of the chunks it meets (``ChecksumError`` on damage; a read of
+        part of a chunk reads all of it), ``chemio check --read`` checks them all.
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.create({name!r})"
@@ -296,6 +576,7 @@ class DiskArray:
         store: Any = None
         data: Any = None
         mpath: Any = None
+        sums: _Checksums | None = None
         created = False
         try:
             with c.agree(what):
@@ -316,7 +597,9 @@ class DiskArray:
                 be = _backends.require(_backends.resolve(be_name), be_name,
                                        _backends.ArrayBackend)
                 opts = _check_options(be, be_name, options)
-                spec = (name, shape_t, dt.str, ch, be_name, keep, repr(sorted(opts.items())))
+                _check_checksum(be, be_name, checksum)
+                spec = (name, shape_t, dt.str, ch, be_name, keep, repr(sorted(opts.items())),
+                        checksum)
             c.same_everywhere(spec, what, lambda mine, first: (
                 f"rank {c.rank} asked for DiskArray.create{mine[:4]} on backend {mine[4]!r} "
                 f"but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass the same "
@@ -343,7 +626,8 @@ class DiskArray:
                                    backend=be_name, data=os.path.basename(data),
                                    persistent=keep, uuid=os.urandom(16).hex(),
                                    created=_meta.creation_info(c.size),
-                                   layout=_backends.array_formats(be)[0])
+                                   layout=_backends.array_formats(be)[0],
+                                   **_checksum_meta(checksum))
                     handles.supersede(data, what)
                     if not together:
                         store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
@@ -367,22 +651,31 @@ class DiskArray:
                 with c.agree(what):
                     if c.rank == 0:
                         _record(be, m, data, mpath, keep, inside)
+            if m.checksum:
+                with c.agree(what):             # every rank, after rank 0 made them
+                    sums = _Checksums.open(data, _layout.Layout(shape_t, ch, dt.itemsize), dt,
+                                           True)
         except BaseException:
             handles.abandon(data)           # another thread may create this name now
+            if sums is not None:
+                sums.close()
             if store is not None:
                 _backends.close_local(store)
             if created:
                 be.remove(data)
                 if mpath != data:
                     scratch.remove_path(mpath)      # the user layer wrote the metadata
-                for p in {data, mpath}:
+                    scratch.remove_path(crc_path(data))
+                for p in {data, mpath, crc_path(data)}:
                     scratch.disown(p)
             raise
         try:
             d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
-                    meta_path=mpath, mode="r+", comm=c, owner=not keep)
+                    meta_path=mpath, mode="r+", comm=c, owner=not keep, checksums=sums)
         except BaseException:
             handles.abandon(data)
+            if sums is not None:
+                sums.close()
             raise
         handles.claim(data, d)
         return d
@@ -447,6 +740,7 @@ class DiskArray:
         what = f"DiskArray.open({os.fspath(path)!r})"
         c.begin(what)
         store = None
+        sums: _Checksums | None = None
         try:
             with c.agree(what):
                 if mode not in ("r", "r+"):
@@ -474,6 +768,12 @@ class DiskArray:
                     raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
                                         f"{data!r} is missing; restore it or delete the metadata")
                 together = _backends.is_collective(be)
+                if m.checksum:
+                    _check_checksum(be, be_name, True, f" to open the array at {mpath!r}, "
+                                    f"which has checksums")
+                    sums = _Checksums.open(data, _layout.Layout(m.shape, m.chunks,
+                                                                m.dtype.itemsize),
+                                           m.dtype, mode != "r")
                 if not together:
                     store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
                                           chunks=m.chunks, **opts)
@@ -483,9 +783,11 @@ class DiskArray:
         except BaseException:
             if store is not None:
                 _backends.close_local(store)
+            if sums is not None:
+                sums.close()
             raise
         return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
-                   meta_path=mpath, mode=mode, comm=c, owner=False)
+                   meta_path=mpath, mode=mode, comm=c, owner=False, checksums=sums)
 
     # ------------------------------------------------------------ properties
     @property
@@ -527,6 +829,11 @@ class DiskArray:
     def persistent(self) -> bool:
         """True when the array outlives close() (created with path=)."""
         return self._meta.persistent
+
+    @property
+    def checksum(self) -> bool:
+        """True when the array keeps a CRC-32 per chunk (``create(..., checksum=True)``)."""
+        return self._meta.checksum is not None
 
     @property
     def comm(self) -> Comm:
@@ -737,6 +1044,8 @@ class DiskArray:
         """
         region, target, out, back = self._prep_read(section, out, transpose)
         self._run(self._store, False, region, target)
+        if self._sums is not None:
+            self._sums.verify(self._store, region, target)
         if back is not None:
             back[...] = target
         return out
@@ -749,6 +1058,8 @@ class DiskArray:
         region, src = self._prep_write(section, data, transpose)
         self._check_independent_write(region)
         self._run(self._store, True, region, src)
+        if self._sums is not None:
+            self._sums.updated(self._store, region, src)
 
     def __getitem__(self, key: Any) -> np.ndarray:
         return self.read(key)
@@ -776,6 +1087,9 @@ class DiskArray:
         """Start reading ``section`` into ``out``; ``wait()`` returns the filled array."""
         region, target, out, back = self._prep_read(section, out, transpose)
         finish = None if back is None else (lambda: back.__setitem__(Ellipsis, target))
+        if self._sums is not None:          # check, then copy back: in the last task's thread
+            finish = functools.partial(_verify_then_copy, self._sums, self._store, region,
+                                       target, back)
         return self._start(self._store, False, region, target, out, finish)
 
     def aread_direct(self, section: Any, out: np.ndarray,
@@ -786,7 +1100,7 @@ class DiskArray:
         cached); else None, and nothing started (use ``aread``). ``iter_blocks(direct=True)``
         uses it for read-ahead beside compute that takes every core."""
         native = getattr(self._open_store(), "native_read_region", None)
-        if native is None or requests.sync_mode():
+        if native is None or requests.sync_mode() or self._sums is not None:
             return None
         region, target, out, back = self._prep_read(section, out, False)
         if back is not None:
@@ -802,7 +1116,9 @@ class DiskArray:
         """Start writing ``data`` into ``section``; leave ``data`` alone until it completes."""
         region, src = self._prep_write(section, data, transpose)
         self._check_independent_write(region)
-        return self._start(self._store, True, region, src, None)
+        sums, store = self._sums, self._store
+        finish = None if sums is None else (lambda: sums.updated(store, region, src))
+        return self._start(self._store, True, region, src, None, finish)
 
     @property
     def outstanding(self) -> int:
@@ -820,6 +1136,8 @@ class DiskArray:
             region, target, out, back = self._prep_read(section, out, transpose)
         with c.agree(what):
             self._collective(False, region, target)
+            if self._sums is not None:
+                self._sums.verify(self._store, region, target)
             if back is not None:
                 back[...] = target
         return out
@@ -836,6 +1154,12 @@ class DiskArray:
             _check_disjoint(c, region, what)
         with c.agree(what):
             self._collective(True, region, src)
+        if self._sums is not None:
+            # After the agreement every rank's writes are complete: each recomputes the
+            # chunks it touched; one shared by ranks gets the same value from each (the
+            # same final bytes), so no communication is needed.
+            with c.agree(what + " checksums"):
+                self._sums.updated(self._store, region, src)
 
     def _collective(self, write: bool, region: tuple, arr: np.ndarray) -> None:
         store = self._store
@@ -858,6 +1182,8 @@ class DiskArray:
         err = requests.failure(self.path, self._pending.drain())
         if self._mode != "r":
             store.flush()
+            if self._sums is not None:
+                self._sums.flush()
         if err is not None:
             raise err
 
@@ -882,6 +1208,9 @@ class DiskArray:
         errors = self._pending.drain()          # an interrupt here leaves the array open
         store, self._store = self._store, None
         self._caps = _backends.NO_CAPABILITIES
+        sums, self._sums = self._sums, None
+        if sums is not None:
+            sums.close()
         if together:
             store.close()
         else:
@@ -939,10 +1268,12 @@ class DiskArray:
             for p in {self._meta_path, self._data_path}:
                 scratch.disown(p)
             if self._meta_path != self._data_path:
-                try:
-                    scratch.remove_path(self._meta_path)    # the user layer wrote it
-                except OSError as e:                        # the data still goes
-                    failed.append(e)
+                for p in (self._meta_path, crc_path(self._data_path)):
+                    scratch.disown(p)
+                    try:
+                        scratch.remove_path(p)          # the user layer wrote these
+                    except OSError as e:                # the data still goes
+                        failed.append(e)
         if _backends.removes_together(self._be, c):
             self._be.remove_all(self._data_path, c)
         elif c.rank == 0:
@@ -965,10 +1296,14 @@ class DiskArray:
 
     # ------------------------------------------------------------ pipelines and interop
     def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,
-                    out_dtype: Any = None) -> Pipeline:
-        """Read the array in blocks along ``axis`` with read-ahead (``cio.prefetch``)."""
+                    out_dtype: Any = None, *, name: str | None = None,
+                    direct: bool | None = None) -> Pipeline:
+        """Read the array in blocks along ``axis`` with read-ahead: yields ``(section,
+        block)`` (``chemio_py.prefetch.iter_blocks``, which says what each argument does;
+        ``direct=True`` reads uncached blocks through O_DIRECT and Linux AIO)."""
         from .prefetch import iter_blocks
-        return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype)
+        return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype,
+                           name=name, direct=direct)
 
     def to_dask(self, chunks: Any = None) -> dask.array.Array:
         """A dask array reading this one; its chunks are whole multiples of the disk chunks."""

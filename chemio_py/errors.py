@@ -147,6 +147,31 @@ class MetadataError(ChemIOError, ValueError):
     """Array metadata is missing, corrupt or hostile."""
 
 
+class ChecksumError(ChemIOError):
+    """A chunk of a DiskArray created with ``checksum=True`` does not match its stored
+    CRC: the data (or the checksum sidecar) was damaged on disk. Carries ``path`` (the
+    data file), ``chunk`` (its grid index), ``number`` (its place in C order), ``offset``
+    (its first byte in the file), ``expected`` and ``found`` (CRC32 values)."""
+
+    def __init__(self, path: str, chunk: tuple, number: int, offset: int, nbytes: int,
+                 expected: int, found: int, sidecar: str = ""):
+        self.path = path
+        self.chunk = tuple(chunk)
+        self.number = number
+        self.offset = offset
+        self.nbytes = nbytes
+        self.expected = expected
+        self.found = found
+        self.sidecar = sidecar
+        where = f" (checksums in {sidecar!r})" if sidecar else ""
+        super().__init__(
+            f"checksum mismatch in {path!r}: chunk {list(self.chunk)} (number {number}, "
+            f"{nbytes} bytes at offset {offset}) has CRC32 {found:#010x}, expected "
+            f"{expected:#010x}{where}; the data on disk is damaged: restore the array from a "
+            f"copy, or rewrite that chunk (run 'chemio check --read' to list every damaged "
+            f"chunk)")
+
+
 class BackendUnavailableError(ChemIOError, ImportError):
     """A storage backend cannot be used here; the message says how to install it."""
 
@@ -230,7 +255,7 @@ __all__ = [
     "ChemIOError", "ArgumentError", "ConfigError", "CancelledError", "StorageError",
     "OutOfSpaceError", "UnobservedIOError", "SupersededError",
     "EndOfFileError", "SectionError",
-    "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError",
+    "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError", "ChecksumError",
     "BackendUnavailableError", "CollectiveError", "CollectiveMismatchError",
     "CollectiveTimeoutError", "NotSharedError", "SyncError",
     "SpillWarning",

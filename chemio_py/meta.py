@@ -7,6 +7,12 @@ One document per array (``<data file>.json``)::
      "byte_order": "little", "nbytes": 5120000, "backend": "local", "data": "t2.dra",
      "persistent": true, "uuid": "…", "created": {"time": …, "host": …, "ranks": 4, …}}
 
+An array created with ``checksum=True`` has ``"format": 2`` and ``"checksum": "crc32"``
+(per-chunk CRCs in the sidecar ``<data file>.crc``, see ``chemio_py.diskarray``): a
+chemio_py that predates checksums refuses it ("written by a newer chemio_py") instead of
+writing to it without updating the CRCs. Arrays without checksums keep format 1, so the
+documents of old and new chemio_py are the same and both read each other's.
+
 A metadata file is untrusted input (it may be corrupt, truncated, or written by someone
 hostile): ``load`` reads at most ``MAX_BYTES``, parses with ``safejson`` (no document nested
 deeper than 64 levels, no integer of more than 30 digits), rejects NaN/Infinity, non-integer or
@@ -34,7 +40,10 @@ import numpy as np
 from . import ownfiles, safejson, scratch
 from .errors import ArgumentError, MetadataError
 
-FORMAT = 1
+FORMAT = 1                     # arrays without checksums (every array before issue 27)
+FORMAT_CHECKSUM = 2            # arrays with per-chunk checksums: older readers refuse them
+FORMATS = (FORMAT, FORMAT_CHECKSUM)
+CHECKSUMS = ("crc32",)         # the algorithms a "checksum" key may name
 KIND = "chemio_py.DiskArray"
 MAX_BYTES = 1 << 20            # a metadata document is a few hundred bytes
 MAX_NDIM = 32
@@ -107,6 +116,7 @@ class Meta:
     created: dict = field(default_factory=dict)
     format: int = FORMAT
     layout: str = "grid"        # the store's on-disk format (raw chunk grid, zarr3, ...)
+    checksum: str | None = None  # "crc32": per-chunk CRCs in the sidecar (format 2)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +129,7 @@ class Meta:
             "order": "C", "layout": self.layout, "byte_order": sys.byteorder,
             "nbytes": self.nbytes, "backend": self.backend, "data": self.data,
             "persistent": self.persistent, "uuid": self.uuid, "created": dict(self.created),
-        }
+        } | ({"checksum": self.checksum} if self.checksum else {})
 
 
 def creation_info(ranks: int) -> dict:
@@ -165,10 +175,20 @@ def validate(doc: Any, src: str = "<document>") -> Meta:
     if not _int(fmt):
         raise _bad(src, f"'format' must be an int version, found {fmt!r:.40}",
                    "is this a chemio_py DiskArray?")
-    if fmt != FORMAT:
-        hint = ("written by a newer chemio_py; upgrade chemio_py to read it" if fmt > FORMAT
-                else "not a format this chemio_py knows")
-        raise _bad(src, f"format version {fmt} (this chemio_py reads {FORMAT})", hint)
+    if fmt not in FORMATS:
+        hint = ("written by a newer chemio_py; upgrade chemio_py to read it"
+                if fmt > max(FORMATS) else "not a format this chemio_py knows")
+        raise _bad(src, f"format version {fmt} (this chemio_py reads "
+                        f"{' and '.join(map(str, FORMATS))})", hint)
+    checksum = doc.get("checksum")
+    if fmt == FORMAT_CHECKSUM:
+        if checksum not in CHECKSUMS:
+            raise _bad(src, f"format {fmt} needs 'checksum' to be one of {list(CHECKSUMS)}, "
+                            f"found {checksum!r:.40}", "written by a newer chemio_py (upgrade "
+                            "chemio_py to read it) or damaged")
+    elif "checksum" in doc:
+        raise _bad(src, f"'checksum' {checksum!r:.40} in a format {fmt} document (checksummed "
+                        f"arrays are format {FORMAT_CHECKSUM})")
     if doc.get("kind", KIND) != KIND:
         raise _bad(src, f"'kind' is {doc.get('kind')!r:.60}, expected {KIND!r}")
     if doc.get("order", "C") != "C":
@@ -226,7 +246,7 @@ def validate(doc: Any, src: str = "<document>") -> Meta:
         created = {}
     return Meta(name=name, shape=shape, dtype=dtype, chunks=chunks, backend=backend,
                 data=data, persistent=persistent, uuid=uuid, created=created, format=fmt,
-                layout=layout)
+                layout=layout, checksum=checksum)
 
 
 def from_description(desc: Any, path: str, backend: str, layout: str) -> Meta:
