@@ -28,18 +28,18 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Tuple, runtime_checkable
 
-from chemio_py import config
+from chemio_py.runtime import config
 from chemio_py.errors import BackendUnavailableError
 
 ENTRY_POINT_GROUP = "chemio_py.backends"
 
 # name -> "module:attribute" of the backend class, imported on first use.
 BUILTIN: dict[str, str] = {
-    "local": "chemio_py.backends.local:LocalBackend",
-    "shm": "chemio_py.backends.shm:ShmBackend",
+    "local": "chemio_py.backends.local.backend:LocalBackend",
+    "shm": "chemio_py.backends.shm.backend:ShmBackend",
     "auto": "chemio_py.backends.auto:AutoBackend",
-    "mpiio": "chemio_py.backends.mpiio:MpiioBackend",
-    "zarr": "chemio_py.backends.zarr_v3:ZarrBackend",
+    "mpiio": "chemio_py.backends.mpiio.backend:MpiioBackend",
+    "zarr": "chemio_py.backends.zarr.backend:ZarrBackend",
 }
 
 _lock = threading.Lock()
@@ -177,7 +177,7 @@ class CollectiveCheck(Protocol):
 class NativeAsync(Protocol):
     def native_read(self, offset: int, out: Any, then: Callable, stats: Any = None) -> Any:
         """Start a read the store completes itself (e.g. Linux AIO): return a
-        ``chemio_py.requests.Request`` completed (``set_result``/``set_exception``) with
+        ``chemio_py.runtime.requests.Request`` completed (``set_result``/``set_exception``) with
         ``then(count, t0, t1)``, or None when this call is not eligible (the pool runs it)."""
     def native_write(self, offset: int, data: Any, then: Callable, stats: Any = None) -> Any:
         """As ``native_read``, for a write."""
@@ -210,7 +210,7 @@ class CollectiveOpen(Protocol):
     store that must know its writers, like ``zarr``).
 
     The user layer calls ``open_bytes(path, mode, comm=comm)`` / ``open_array(path, mode,
-    ..., comm=comm)`` on **every rank** of ``comm`` (a ``chemio_py.comm.Comm``; ``comm.mpi``
+    ..., comm=comm)`` on **every rank** of ``comm`` (a ``chemio_py.runtime.comm.Comm``; ``comm.mpi``
     is its mpi4py communicator, None when serial) at the same time with the same arguments.
     ``w+``/``x+`` create: the backend makes the object once (say on rank 0) and every rank
     opens it. The call returns on every rank or raises on every rank (run rank-local steps
@@ -232,7 +232,7 @@ class CollectiveRemove(Protocol):
 
     def remove_all(self, path: str, comm: Any) -> bool:
         """The collective form of ``Backend.remove``: every rank of ``comm`` (a
-        ``chemio_py.comm.Comm``; None: this process alone, as ``remove``) calls it at the
+        ``chemio_py.runtime.comm.Comm``; None: this process alone, as ``remove``) calls it at the
         same time with the same ``path``. Each rank removes its share of the object's
         files, the ranks meet once, then rank 0 removes what is left (directories,
         metadata, and whatever another rank could not remove). Nothing outside ``path`` is

@@ -26,15 +26,13 @@ import time
 import warnings
 from typing import Any
 
-from chemio_py import scratch, stats
-from chemio_py.errors import ChemIOError, OutOfSpaceError, _fmt_bytes, SpillWarning
-
-from .local import LocalBackend
-from .ram_budget import RamBudget, ram_budget, shm_dir
-from .shm import ShmBackend
-from .shm_lock import _Gate
-
-
+from chemio_py.backends.local.backend import LocalBackend
+from chemio_py.backends.shm.backend import ShmBackend
+from chemio_py.backends.shm.budget import RamBudget, ram_budget, shm_dir
+from chemio_py.backends.shm.lock import Gate
+from chemio_py.errors import ChemIOError, OutOfSpaceError, SpillWarning, fmt_bytes
+from chemio_py.runtime import stats
+from chemio_py.scratch import fs, jobs
 
 _spills_lock = threading.Lock()
 _spills: list[dict] = []
@@ -61,7 +59,7 @@ _PRIVATE_NAME = re.compile(r".+\.(\d+)")
 def _in_shm_job_dir(path: str) -> bool:
     d = os.path.dirname(os.path.abspath(path))
     return (os.path.dirname(d) == shm_dir()
-            and os.path.basename(d).startswith(scratch.JOB_PREFIX))
+            and os.path.basename(d).startswith(jobs.JOB_PREFIX))
 
 
 def disk_path(path: str) -> str:
@@ -70,21 +68,21 @@ def disk_path(path: str) -> str:
     rank N's private root for a per-rank name ``<name>.N``, else the shared root."""
     d, base = os.path.split(os.path.abspath(path))
     m = _PRIVATE_NAME.fullmatch(base)
-    root = scratch.private_root(int(m.group(1))) if m else scratch.shared_root()
+    root = jobs.private_root(int(m.group(1))) if m else jobs.shared_root()
     return os.path.join(os.path.abspath(root), os.path.basename(d), base)
 
 
 def ram_path(path: str) -> str | None:
     """The RAM path of the disk path ``path`` of a spilled file, or None (not a job file)."""
     d, base = os.path.split(os.path.abspath(path))
-    if not os.path.basename(d).startswith(scratch.JOB_PREFIX):
+    if not os.path.basename(d).startswith(jobs.JOB_PREFIX):
         return None
     return os.path.join(shm_dir(), os.path.basename(d), base)
 
 
 def _make_job_dir_for(path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
-    scratch.job_dir(os.path.dirname(d), os.path.basename(d)[len(scratch.JOB_PREFIX):])
+    jobs.job_dir(os.path.dirname(d), os.path.basename(d)[len(jobs.JOB_PREFIX):])
 
 
 class AutoByteStore:
@@ -99,7 +97,7 @@ class AutoByteStore:
         self.disk_path = disk or impl.path
         self._impl = impl
         self._last_path = impl.path
-        self._gate = _Gate(None)
+        self._gate = Gate(None)
         self._local = LocalBackend()
 
     @property
@@ -169,15 +167,15 @@ class AutoByteStore:
             self._impl = disk
             self._last_path = disk.path
             self.spilled = True
-            scratch.own(disk.path)
+            jobs.own(disk.path)
             os.unlink(seg.path)             # openers waiting on it see it gone and retry
             seg.close()
             t1 = time.perf_counter()
         finally:
             self._gate.leave_excl()
         _record_spill(self.disk_path, size, t0, t1,
-                      f"{err.what} needed {_fmt_bytes(err.needed)} but the RAM budget had "
-                      f"{_fmt_bytes(err.free)} left")
+                      f"{err.what} needed {fmt_bytes(err.needed)} but the RAM budget had "
+                      f"{fmt_bytes(err.free)} left")
 
     # ------------------------------------------------------------ the protocol
     def pread(self, offset: int, out: Any) -> int:
@@ -297,17 +295,17 @@ class AutoBackend:
                 raise
             _make_job_dir_for(disk)
             store = self._local.open_array(disk, mode, **kw)
-            scratch.own(disk)
+            jobs.own(disk)
             _record_spill(disk, 0, t0, time.perf_counter(),
-                          f"a new array of {_fmt_bytes(err.needed)} does not fit the RAM "
-                          f"budget ({_fmt_bytes(err.free)} left): created on disk")
+                          f"a new array of {fmt_bytes(err.needed)} does not fit the RAM "
+                          f"budget ({fmt_bytes(err.free)} left): created on disk")
             return store
 
     def exists(self, path: str) -> bool:
         ram, disk = self._pair(path)
         return os.path.lexists(disk) or (ram is not None and os.path.lexists(ram))
 
-    def stat(self, path: str) -> scratch.FsInfo:
+    def stat(self, path: str) -> fs.FsInfo:
         """The RAM budget while the file is (or would be) in RAM."""
         ram, disk = self._pair(path)
         return self._shm.stat(ram) if ram is not None else self._local.stat(disk)
@@ -316,7 +314,7 @@ class AutoBackend:
         """Remove the file wherever it is (RAM, disk after a spill, or both)."""
         ram, disk = self._pair(path)
         on_disk = self._local.remove(disk)
-        scratch.disown(disk)
+        jobs.disown(disk)
         in_ram = ram is not None and self._shm.remove(ram)
         return in_ram or on_disk
 

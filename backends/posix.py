@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from chemio_py import scratch
 from chemio_py.errors import StorageError
+from chemio_py.scratch import fs, jobs
 
 DIRECT_ALIGN = 4096             # O_DIRECT alignment of buffer address, offset and length
 
@@ -75,7 +75,7 @@ def require_regular(fd: int, path: str) -> None:
     os.set_blocking(fd, True)
 
 
-def _unlink_regular(path: str) -> None:
+def unlink_regular(path: str) -> None:
     """Remove an old file at ``path`` before it is created anew (not a directory, FIFO...)."""
     try:
         st = os.lstat(path)
@@ -94,7 +94,7 @@ _libc: list[Any] = []
 FALLOC_FL_KEEP_SIZE = 1
 
 
-def _fallocate_keep_size(fd: int, n: int) -> int:
+def fallocate_keep_size(fd: int, n: int) -> int:
     """fallocate(2) with FALLOC_FL_KEEP_SIZE (not in the os module); returns errno or 0."""
     if not _libc:
         import ctypes
@@ -126,7 +126,7 @@ def fs_type(fd: int) -> str | None:
     """The type of the file system holding the open descriptor ``fd`` (``"ext4"``,
     ``"xfs"``, ``"tmpfs"``, ``"lustre"``..., ``"0x<magic>"`` for one not in ``FS_MAGIC``)
     from one ``fstatfs`` call: no path lookup, no mount table. None where ``fstatfs`` is
-    not available through ctypes (the caller falls back to ``scratch.fstype(path)``)."""
+    not available through ctypes (the caller falls back to ``fs.fstype(path)``)."""
     if not _fstatfs_fn:
         fn = None
         try:
@@ -162,8 +162,8 @@ def remove_entry_at(dir_fd: int | None, name: str, where: str, failures: list) -
     the working directory; ``where``: the directory's path, for errors): a file or link
     with one ``unlinkat``, a real directory with all it holds, however deep, never through
     a link. An entry already gone is fine; every other failure is appended to ``failures``
-    as ``(path, OSError)`` and the rest goes on (``scratch.remove_entry_at``)."""
-    scratch.remove_entry_at(dir_fd, name, os.path.join(where, name), failures)
+    as ``(path, OSError)`` and the rest goes on (``fs.remove_entry_at``)."""
+    fs.remove_entry_at(dir_fd, name, os.path.join(where, name), failures)
 
 
 remove_dir_at = remove_entry_at     # a link or file found where a directory was goes itself
@@ -172,8 +172,8 @@ remove_dir_at = remove_entry_at     # a link or file found where a directory was
 def clear_dir(fd: int, where: str, failures: list, keep: Any = None) -> None:
     """Remove every entry of the open directory ``fd`` (path ``where``), directories with
     all they hold, except names ``keep(name)`` is true for; failures as ``remove_entry_at``
-    (``scratch.clear_dir_at``: iterative, a bounded number of descriptors)."""
-    scratch.clear_dir_at(fd, where, failures, keep)
+    (``fs.clear_dir_at``: iterative, a bounded number of descriptors)."""
+    fs.clear_dir_at(fd, where, failures, keep)
 
 
 def removal_error(path: str, failures: list, what: str) -> StorageError:
@@ -203,7 +203,7 @@ def aligned_empty(shape: Any, dtype: Any = np.uint8, align: int = DIRECT_ALIGN) 
     return raw.view(dtype).reshape(shape)
 
 
-def _bytes_view(buf: Any, writable: bool) -> memoryview:
+def bytes_view(buf: Any, writable: bool) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if writable and mv.readonly:
         raise TypeError(f"read buffer must be writable, got a read-only {type(buf).__name__}")
@@ -215,11 +215,11 @@ def _bytes_view(buf: Any, writable: bool) -> memoryview:
     return mv
 
 
-def _address(mv: memoryview) -> int:
+def buffer_address(mv: memoryview) -> int:
     return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
-def _byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
+def byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
     """A flat byte view of the memory array ``a`` spans; None when its strides do not allow."""
     isz = a.itemsize
     if any(s < 0 or s % isz for s in a.strides):
@@ -234,7 +234,7 @@ def _byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
 _sieve: list[memoryview] = []
 
 
-def _sieve_buffer(n: int) -> memoryview:
+def sieve_buffer(n: int) -> memoryview:
     """A scratch buffer that reads fill with the bytes of holes nobody asked for.
 
     One buffer for every thread: its content is never looked at."""
@@ -247,29 +247,29 @@ def _sieve_buffer(n: int) -> memoryview:
 
 # ---------------------------------------------------------------- page residency and kernel copies
 
-_mincore_fn: list[Any] = []
+mincore_fn: list[Any] = []
 _pvm_fns: list[Any] = []
 _IOV_MAX = 1024
 
 
-def _mincore_ok() -> bool:
-    if not _mincore_fn:
+def mincore_ok() -> bool:
+    if not mincore_fn:
         try:
             import ctypes
             libc = ctypes.CDLL(None, use_errno=True)
             fn = libc.mincore
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             fn.restype = ctypes.c_int
-            _mincore_fn.append(fn)
+            mincore_fn.append(fn)
         except (OSError, AttributeError):
-            _mincore_fn.append(None)
-    return _mincore_fn[0] is not None
+            mincore_fn.append(None)
+    return mincore_fn[0] is not None
 
 
-def _mincore(addr: int, length: int) -> np.ndarray | None:
+def mincore_pages(addr: int, length: int) -> np.ndarray | None:
     """Residency (one byte per page, bit 0 set = in the page cache) of a mapped range."""
     vec = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
-    if _mincore_fn[0](addr, length, vec.ctypes.data) != 0:
+    if mincore_fn[0](addr, length, vec.ctypes.data) != 0:
         return None
     return vec & 1
 
@@ -278,7 +278,7 @@ def resident(addr: int, ranges: list, pages: int) -> bool | None:
     """Whether every page of the mapped page ranges ``[(first, end), ...]`` (``pages`` in
     all) from ``addr`` is in the page cache; None when mincore fails."""
     vec = np.empty(pages, dtype=np.uint8)
-    at, fn, size = vec.ctypes.data, _mincore_fn[0], mmap.PAGESIZE
+    at, fn, size = vec.ctypes.data, mincore_fn[0], mmap.PAGESIZE
     for a, b in ranges:
         if fn(addr + a * size, (b - a) * size, at) != 0:
             return None
@@ -286,7 +286,7 @@ def resident(addr: int, ranges: list, pages: int) -> bool | None:
     return bool((vec & 1).all())
 
 
-def _process_vm() -> tuple | None:
+def process_vm() -> tuple | None:
     """(process_vm_readv, process_vm_writev) from libc, or None where they are missing or
     forbidden (a seccomp filter)."""
     if not _pvm_fns:
@@ -308,12 +308,12 @@ def _process_vm() -> tuple | None:
     return _pvm_fns[0]
 
 
-def _copy_runs(write: bool, file_addrs: np.ndarray, mem_addrs: np.ndarray,
+def copy_runs(write: bool, file_addrs: np.ndarray, mem_addrs: np.ndarray,
                lens: np.ndarray) -> bool:
     """Copy runs between mapped file pages and memory by the kernel; True when every byte
     moved (False: a page could not be had, e.g. the file was truncated)."""
-    fns = _process_vm()
-    assert fns is not None, "callers check _process_vm() first"
+    fns = process_vm()
+    assert fns is not None, "callers check process_vm() first"
     fn = fns[1 if write else 0]
     k = lens.size
     mem = np.empty((k, 2), dtype=np.uint64)
@@ -527,14 +527,14 @@ class ScratchPlaces:
     there, the file system's space, and removal of a file or a whole directory tree."""
 
     def root(self, scope: str, rank: int = 0) -> str:
-        return scratch.shared_root() if scope == "shared" else scratch.private_root(rank)
+        return jobs.shared_root() if scope == "shared" else jobs.private_root(rank)
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 
-    def stat(self, path: str) -> scratch.FsInfo:
-        return scratch.stat(path)
+    def stat(self, path: str) -> fs.FsInfo:
+        return fs.stat(path)
 
     def remove(self, path: str) -> bool:
         """Delete the file (or directory tree) at ``path``; False when it did not exist."""
-        return scratch.remove_path(path)
+        return jobs.remove_path(path)

@@ -5,7 +5,7 @@ Every ``DiskArray.write_all`` checks that the ranks' sections are disjoint
 writes each storage object (``zarr_exchange.contested_objects``, then ``exchange`` with its
 ``schedule``). Both run on every rank with the boxes of all ranks, so their per-rank time and
 memory decide whether a write scales to 10k ranks. This benchmark runs the real functions as
-rank 0 and as the middle rank of P ranks through ``FakeComm``: a ``chemio_py.comm.Comm``
+rank 0 and as the middle rank of P ranks through ``FakeComm``: a ``chemio_py.runtime.comm.Comm``
 whose ``allgather`` returns what the other ranks would send (unpickled one by one, as
 mpi4py does), whose ``allreduce`` combines with the value the other ranks would bring, and
 whose ``mpi.Alltoallv`` moves nothing (the exchange then stores nothing: ``store_object`` is
@@ -50,9 +50,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MiB, row  # noqa: E402
 
-from chemio_py import diskarray  # noqa: E402
-from chemio_py.backends import zarr_exchange as X  # noqa: E402
-from chemio_py.comm import Comm  # noqa: E402
+from chemio_py.arrays import diskarray  # noqa: E402
+from chemio_py.backends.zarr import exchange as X  # noqa: E402
+from chemio_py.runtime.comm import Comm  # noqa: E402
 from chemio_py.errors import SectionError  # noqa: E402
 
 FULL = {"procs": (1024, 4096, 16384), "old_up_to": 4096, "repeat": 5}
@@ -215,7 +215,7 @@ def _peak_mib(fn: Callable[[], Any]) -> float:
 
 def _check_calls(p: int, rank: int, boxes: list) -> dict[str, Callable[[], Any]]:
     """The disjointness check as rank ``rank``: new, old, and the allgather alone."""
-    from chemio_py import boxes as B
+    from chemio_py.backends import boxes as B
     region = _region(boxes[rank])
     new = FakeComm(rank, p, lambda k: B.pack(_region(boxes[k])))
     old = FakeComm(rank, p, lambda k: [(lo, hi) for lo, hi in zip(*boxes[k])])

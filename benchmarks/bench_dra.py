@@ -115,7 +115,7 @@ class _DRA(_Method):
 
     def files(self) -> list[str]:
         if self.d.checksum:
-            from chemio_py.diskarray import crc_path
+            from chemio_py.arrays.checksums import crc_path
             return [self.d.path, crc_path(self.d.path)]
         return [self.d.path]
 

@@ -300,7 +300,7 @@ def _async_case(workdir: str, src: np.ndarray, dst: np.ndarray, size: int, chunk
     through the page cache (evicted first; the kernel's readahead still applies) and with
     O_DIRECT (every read reaches the device)."""
     import chemio_py as cio
-    from chemio_py import config
+    from chemio_py.runtime import config
 
     pat = Pattern(src, dst, size, chunk, seed)
     path = os.path.join(workdir, f"eaf-async-{chunk}.0")
@@ -448,7 +448,8 @@ def _per_call_case(workdir: str, quick: bool) -> list[dict]:
 
 def run(quick: bool, workdir: str) -> list[dict]:
     """The EAF case; ``quick`` uses an 8 MB file and 3 repetitions instead of 80 MB and 5."""
-    from chemio_py import aligned_empty, config
+    from chemio_py import aligned_empty
+    from chemio_py.runtime import config
 
     size = QUICK_SIZE if quick else FULL_SIZE
     reps = 3 if quick else 5

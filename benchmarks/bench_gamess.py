@@ -319,7 +319,7 @@ def _interleaved(runs: dict, slices: int, seconds: float, seed: int) -> dict:
 def run(quick: bool, workdir: str) -> list[dict]:
     """Quick: a 64 MiB file, 1 s per case; full: 1 GiB, 5 s per case."""
     import chemio_py as cio
-    from chemio_py import config
+    from chemio_py.runtime import config
 
     fsize = 64 * MiB if quick else 1 * GiB
     seconds = 1.0 if quick else 5.0

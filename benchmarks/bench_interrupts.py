@@ -107,7 +107,7 @@ class _Paths:
 
     def __init__(self, kind: str, workdir: str):
         import chemio_py as cio
-        from chemio_py.backends import linux_aio
+        from chemio_py.backends.local import linux_aio
         self.cio, self.kind, self.dir = cio, kind, workdir
         self.eng = linux_aio.engine()
         self.blocks_seen = 0

@@ -69,7 +69,8 @@ def _array_worker(n: int, workdir: str, case: str) -> None:
     """One round of the three methods on every rank; rank 0 prints ``RESULT {json}``."""
     import chemio_py as cio
     import chemio_py.backends as backends
-    from chemio_py.layout import block_bounds, default_chunks
+    from chemio_py.backends.grid import block_bounds
+    from chemio_py.arrays.chunks import default_chunks
     from mpi4py import MPI
     c = cio.comm()
     mpi = c.mpi if c.mpi is not None else MPI.COMM_WORLD

@@ -1812,7 +1812,7 @@ def _inject(ctx: Ctx, what: str) -> None:
     ``corrupt``: every 7th blocking ``write`` of a byte file or DiskArray stores one flipped
     byte (the caller's buffer is left alone). ``hang``: the 40th blocking byte-file ``read``
     never returns."""
-    from chemio_py import bytefile
+    from chemio_py.files import bytefile
     cls = bytefile.ByteFile
     calls = Counter()
     if what == "corrupt":

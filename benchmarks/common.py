@@ -367,7 +367,7 @@ def fresh_dir(parent: str, name: str) -> str:
 
 def fs_type(path: str) -> str:
     """File-system type holding ``path`` from the mount table (``unknown`` if not found)."""
-    from chemio_py.scratch import fstype
+    from chemio_py.scratch.fs import fstype
     return fstype(path)
 
 

@@ -35,7 +35,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import common  # noqa: E402  (this directory is now on sys.path)
-from chemio_py import progress  # noqa: E402
+from chemio_py.runtime import progress  # noqa: E402
 
 REQUIRED_KEYS = common.ROW_KEYS
 

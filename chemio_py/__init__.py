@@ -11,48 +11,40 @@ with asynchronous requests (``Request``, ``waitall``, ``waitany``), read-ahead a
 write-behind pipelines (``prefetch``, ``WriteBehind``, ``RecordFile`` for variable-size
 records replayed with read-ahead), run-time settings
 (``configure``, ``settings``) and I/O accounting (``report``). See README.md for a tour.
+
+This module only hands names on. The house behind it, by concept: ``runtime/`` (settings,
+communicator, requests, stats), ``scratch/`` (where files go, who removes them),
+``files/`` (ExclusiveFile, SharedFile, RecordFile), ``arrays/`` (DiskArray), ``tools/``
+(what ``chemio ls|check|trace`` show) and ``backends/`` (the bytes).
 """
-from __future__ import annotations
+from chemio_py import _imports
 
-import os as _os
-from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
+_imports.install()
 
-if _TYPE_CHECKING:
-    import numpy as _np
-
-# In a source checkout the device layer lives in ../backends and is installed as
-# chemio_py.backends; let the package find it there too (as the installed layout does).
-_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_checkout, "backends", "__init__.py")) \
-        and _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")):
-    __path__.append(_checkout)
-
-from . import errors  # noqa: E402
-from .comm import comm  # noqa: E402
-from .config import configure, settings  # noqa: E402
-from .errors import (  # noqa: E402
+from chemio_py import errors, sync  # noqa: E402
+from chemio_py._version import __version__  # noqa: E402
+from chemio_py.arrays.diskarray import DiskArray, block_section  # noqa: E402
+from chemio_py.backends.posix import aligned_empty  # noqa: E402
+from chemio_py.errors import (  # noqa: E402
     BackendUnavailableError, ChecksumError, ChemIOError, EndOfFileError, LimitExceededError,
     MetadataError, ModeError, OutOfSpaceError, SectionError, SupersededError, UnobservedIOError,
 )
-from .diskarray import DiskArray, block_section  # noqa: E402
-from .exclusive import ExclusiveFile  # noqa: E402
-from .prefetch import WriteBehind, prefetch  # noqa: E402
-from .records import RecordFile  # noqa: E402
-from .shared import SharedFile  # noqa: E402
-from . import sync  # noqa: E402
-from .requests import Request, completed, waitall, waitany  # noqa: E402
-from .scratch import FsInfo, cleanup, stat  # noqa: E402
-from .stats import report  # noqa: E402
-from .listing import ls  # noqa: E402
+from chemio_py.files.exclusive import ExclusiveFile  # noqa: E402
+from chemio_py.files.records import RecordFile  # noqa: E402
+from chemio_py.files.shared import SharedFile  # noqa: E402
+from chemio_py.prefetch import WriteBehind, prefetch  # noqa: E402
+from chemio_py.runtime.comm import comm  # noqa: E402
+from chemio_py.runtime.config import configure, settings  # noqa: E402
+from chemio_py.runtime.requests import Request, completed, waitall, waitany  # noqa: E402
+from chemio_py.runtime.stats import report  # noqa: E402
+from chemio_py.scratch.fs import FsInfo, stat  # noqa: E402
+from chemio_py.scratch.jobs import cleanup  # noqa: E402
+from chemio_py.tools.listing import ls  # noqa: E402
 
-__version__ = "0.1.0"
 
-
-def aligned_empty(shape: int | tuple[int, ...], dtype: _Any = "uint8",
-                  align: int = 4096) -> _np.ndarray:
-    """An uninitialised array aligned for O_DIRECT (``align``-byte boundary)."""
-    from .backends.posix import aligned_empty as _ae
-    return _ae(shape, dtype, align)
+def __getattr__(name: str) -> object:
+    """Modules that moved into folders stay reachable as attributes (``cio.stats``)."""
+    return _imports.moved_module(name)
 
 
 __all__ = [
@@ -62,7 +54,6 @@ __all__ = [
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
     "comm", "stat", "FsInfo", "cleanup", "report", "ls", "aligned_empty", "errors",
     "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",
-    "LimitExceededError", "MetadataError", "ChecksumError", "BackendUnavailableError",
-    "SupersededError",
-    "UnobservedIOError", "__version__",
+    "LimitExceededError", "MetadataError", "BackendUnavailableError", "SupersededError",
+    "UnobservedIOError", "ChecksumError", "__version__",
 ]

@@ -15,31 +15,35 @@ import sys
 import time
 from typing import Any, Sequence
 
-from . import check, config, scratch
+from chemio_py.errors import RefusedRemoval
+from chemio_py.runtime import config
+from chemio_py.scratch import fs, janitor, jobs
+from chemio_py.tools import check
 
 
 def _human(n: int | None) -> str:
-    from .errors import _fmt_bytes
-    return _fmt_bytes(n)
+    from chemio_py.errors import fmt_bytes
+    return fmt_bytes(n)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    import numpy
+
     import chemio_py
     import chemio_py.backends as backends
-    import numpy
     print(f"chemio_py {chemio_py.__version__} (Python {platform.python_version()}, "
           f"NumPy {numpy.__version__}) on {platform.node()}")
     print("\nbackends:")
     for name, (ok, why) in backends.availability().items():
         print(f"  {name:8s} {'available' if ok else 'UNAVAILABLE'}: {why}")
     print("\nscratch:")
-    places = [("private (rank 0)", scratch.private_root(0)), ("shared", scratch.shared_root()),
+    places = [("private (rank 0)", jobs.private_root(0)), ("shared", jobs.shared_root()),
               ("shm", config.get("shm_dir"))]
     for label, path in places:
         try:
-            fs = scratch.stat(path)
-            print(f"  {label:17s} {path}  {_human(fs.free)} free of {_human(fs.total)}, "
-                  f"{fs.fstype}")
+            info = fs.stat(path)
+            print(f"  {label:17s} {path}  {_human(info.free)} free of {_human(info.total)}, "
+                  f"{info.fstype}")
         except OSError as e:
             print(f"  {label:17s} {path}  not usable: {e}")
     print("\nMPI:")
@@ -48,7 +52,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         lib = MPI.Get_library_version().strip().splitlines()[0]
         import mpi4py
         print(f"  mpi4py {mpi4py.__version__}; {lib}")
-        from chemio_py.backends import mpiio
+        from chemio_py.backends.mpiio import backend as mpiio
         print(f"  MPI-IO (ROMIO) drivers: {', '.join(mpiio.romio_drivers()) or 'none found'}")
         print(f"  mpiio hints: {', '.join(f'{k}={v}' for k, v in mpiio.hints().items())} "
               f"(defaults {mpiio.DEFAULT_HINTS}, more from the mpiio_hints setting)")
@@ -103,28 +107,28 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     """Remove job directories that carry chemio's marker and whose every lease is provably
     dead; list everything else with the reason it stays. Exit 1 only when a removal failed."""
-    roots = args.root or scratch.all_roots()
-    infos = scratch.scan_job_dirs(roots)
+    roots = args.root or janitor.all_roots()
+    infos = janitor.scan_job_dirs(roots)
     labels = {"in use": "in use", "keep": "keeping", "vanished": "vanished",
               "skipped": "skipped"}
     stale = kept = 0
     failed: list[str] = []
     temps_removed = temps_kept = 0
     for i in infos:
-        shown = scratch.printable(i.path)
+        shown = fs.printable(i.path)
         if i.status != "stale":
             kept += i.status in ("keep", "skipped")
             print(f"{labels.get(i.status, i.status):12s} {shown}  ({i.reason})")
             if i.status == "in use":            # temp files of writers killed mid-write
-                sweep = scratch.sweep_temps(i.path, dry_run=args.dry_run)
+                sweep = jobs.sweep_temps(i.path, dry_run=args.dry_run)
                 for name, why in sweep.removed:
                     print(f"  {'would remove' if args.dry_run else 'removed':12s} temp file "
-                          f"{scratch.printable(name)}  ({why})")
+                          f"{fs.printable(name)}  ({why})")
                 for name, why in sweep.kept:
-                    print(f"  {'keeping':12s} temp file {scratch.printable(name)}  ({why})")
+                    print(f"  {'keeping':12s} temp file {fs.printable(name)}  ({why})")
                 for name, why in sweep.failed:
                     failed.append(os.path.join(i.path, name))
-                    print(f"  FAILED: could not remove temp file {scratch.printable(name)}"
+                    print(f"  FAILED: could not remove temp file {fs.printable(name)}"
                           f"  ({why})")
                 temps_removed += len(sweep.removed)
                 temps_kept += len(sweep.kept)
@@ -134,8 +138,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
         if args.dry_run:
             continue
         try:
-            scratch.remove_job_dir(i.path, roots)
-        except scratch.RefusedRemoval as e:       # it changed since the scan: keep it
+            janitor.remove_job_dir(i.path, roots)
+        except RefusedRemoval as e:            # it changed since the scan: keep it
             print(f"  kept after all: {e}")
         except OSError as e:
             failed.append(i.path)
@@ -152,7 +156,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     if failed:
         print(f"chemio clean: could not remove {len(failed)} stale job director"
               f"{'y' if len(failed) == 1 else 'ies'} or temp files: "
-              f"{', '.join(map(scratch.printable, failed))} "
+              f"{', '.join(map(fs.printable, failed))} "
               f"(see above); fix the cause and run 'chemio clean' again", file=sys.stderr)
         return 1
     return 0
@@ -201,10 +205,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def demo_eaf(nrec: int) -> int:
     """A short pass without chemistry: 1 MiB records written behind, read back ahead."""
     import numpy as np
+
     import chemio_py as cio
     rec = 1 << 17                              # records of 128k doubles = 1 MiB
     print("chemio demo --eaf: an integral-cache pass through an Exclusive Access File")
-    print(f"  scratch: {scratch.private_root(cio.comm().rank)} "
+    print(f"  scratch: {jobs.private_root(cio.comm().rank)} "
           f"(backend {config.backend_for('demo.cache').value})")
     t0 = time.perf_counter()
     with cio.ExclusiveFile("demo.cache", "w+", size_hint=nrec * rec * 8) as f:
@@ -274,7 +279,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str], parser: argparse.Argume
 
 
 def _add_ls_trace(sub: "argparse._SubParsersAction[Any]") -> None:
-    from . import listing, trace_view
+    from chemio_py.tools import listing, trace_view
     listing.add_arguments(sub.add_parser(
         "ls", help="list the scratch: jobs, their processes and liveness, and their objects"))
     trace_view.add_arguments(sub.add_parser(
@@ -282,12 +287,12 @@ def _add_ls_trace(sub: "argparse._SubParsersAction[Any]") -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .listing import cmd_ls as run
+    from chemio_py.tools.listing import cmd_ls as run
     return run(args)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from .trace_view import cmd_trace as run
+    from chemio_py.tools.trace_view import cmd_trace as run
     return run(args)
 
 
@@ -360,7 +365,7 @@ def _run(argv: list[str]) -> int:
     try:
         return handler(args)
     except Exception as e:
-        from .errors import ChemIOError
+        from chemio_py.errors import ChemIOError
         if isinstance(e, BrokenPipeError) and _reader_gone():
             raise                                      # the reader left: see main()
         if isinstance(e, (ChemIOError, OSError)):

@@ -10,7 +10,7 @@ import concurrent.futures as _futures
 import errno as _errno
 
 
-def _fmt_bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -67,8 +67,8 @@ class OutOfSpaceError(StorageError):
                     "or lower the size hint")
         ChemIOError.__init__(self)
         OSError.__init__(self, _errno.ENOSPC,
-                         f"out of space: {what} needs {_fmt_bytes(needed)} "
-                         f"({needed} bytes) but {_fmt_bytes(free)} ({free} bytes) "
+                         f"out of space: {what} needs {fmt_bytes(needed)} "
+                         f"({needed} bytes) but {fmt_bytes(free)} ({free} bytes) "
                          f"is free; {hint}", path)
         self.offset = None
         self.size = needed

@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 import numpy as np
 
-from . import config, requests, stats
-from .errors import ArgumentError, ChemIOError
+from chemio_py.errors import ArgumentError, ChemIOError
+from chemio_py.runtime import config, pool, requests, stats
 
 MAX_DEPTH = 1024
 _counter = itertools.count(1)
@@ -66,7 +66,7 @@ def check_depth(depth: Any) -> int:
 def effective_depth(depth: Any) -> int:
     """The depth a pipeline runs with: 0 in synchronous mode (``CHEMIO_SYNC=1``)."""
     d = check_depth(depth)
-    return 0 if requests.sync_mode() else d
+    return 0 if pool.sync_mode() else d
 
 
 def _as_request(value: Any) -> requests.Request:
@@ -85,7 +85,7 @@ def _nbytes(obj: Any) -> int:
         return n if isinstance(n, int) else 0
 
 
-def _quiet_wait(req: requests.Request) -> None:
+def quiet_wait(req: requests.Request) -> None:
     """Wait for ``req`` to end (done, failed or cancelled), ignoring its outcome; an
     interrupt meanwhile is raised only once it has ended (``requests.settle``)."""
     requests.settle([req])
@@ -209,7 +209,7 @@ class Pipeline:
                 for slot in range(1, min(ramp, len(self._bufs))):
                     if self._bufs[slot] is None:
                         self._bufs[slot] = self._make_buffer()
-                _quiet_wait(self._ring[0].req)     # its outcome: below, as any other
+                quiet_wait(self._ring[0].req)     # its outcome: below, as any other
         while len(self._ring) <= self.depth and not self._exhausted:
             if not self._issue():
                 break
@@ -303,7 +303,7 @@ def prefetch(read_into: Callable[[Any, Any], Any], keys: Iterable[Any],
 
     def start(key: Any, buf: Any) -> tuple:
         if blocking:
-            req = requests.submit(read_into, key, buf)
+            req = pool.submit(read_into, key, buf)
             return req, req, None, None
         return _as_request(read_into(key, buf)), None, None, None
 
@@ -339,7 +339,7 @@ def _ring_array(count: int, dtype: np.dtype) -> np.ndarray:
     (measured: a third of the kernel's CPU time per 8 MiB read, and a faster device)."""
     nbytes = count * dtype.itemsize
     if nbytes < _HUGE or not hasattr(mmap, "MAP_PRIVATE"):
-        from . import aligned_empty
+        from chemio_py.backends.posix import aligned_empty
         return aligned_empty((count,), dtype)
     mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -496,7 +496,7 @@ class WriteBehind:
         """Wait for the oldest write; it stays queued until its outcome is recorded."""
         op = self._ops[0]
         w0 = time.perf_counter() if w0 is None else w0
-        _quiet_wait(op.req)
+        quiet_wait(op.req)
         with requests.shield(defer=True):      # recorded and dequeued, whole
             self._finish(op, time.perf_counter() - w0, w0)
             self._ops.popleft()

@@ -37,8 +37,8 @@ import threading
 import time
 from typing import Any, Callable, Self
 
-from .comm import Comm, resolve as _resolve_comm
-from .errors import ArgumentError, LimitExceededError, SyncError
+from chemio_py.runtime.comm import Comm, resolve as _resolve_comm
+from chemio_py.errors import ArgumentError, LimitExceededError, SyncError
 
 IMPLEMENTATIONS = ("serial", "mpi4py", "rma")
 _INT64 = (-(1 << 63), (1 << 63) - 1)

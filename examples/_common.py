@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Sequence, TypeVar
 import numpy as np
 
 import chemio_py as cio
-from chemio_py import progress as _progress, stats
+from chemio_py.runtime import progress as _progress, stats
 
 T = TypeVar("T")
 
@@ -250,5 +250,5 @@ def record_file(name: str, mode: str = "w+", **kw: Any):
     """``cio.RecordFile(name, mode, **kw)`` (from its module while it is not exported)."""
     cls = getattr(cio, "RecordFile", None)
     if cls is None:
-        from chemio_py.records import RecordFile as cls
+        from chemio_py.files.records import RecordFile as cls
     return cls(name, mode, **kw)

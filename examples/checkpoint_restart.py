@@ -41,7 +41,7 @@ STATE = "state"
 
 
 def _api():
-    from chemio_py.diskarray import DiskArray, block_section
+    from chemio_py.arrays.diskarray import DiskArray, block_section
     return getattr(cio, "DiskArray", DiskArray), getattr(cio, "block_section", block_section)
 
 

@@ -50,7 +50,7 @@ DEMO_ARGV = ["--atom", _common.WATER, "--basis", "cc-pvtz", "--max-memory", "0.5
 
 def _api():
     """(DiskArray, block_section, iter_blocks) from chemio_py."""
-    from chemio_py.diskarray import DiskArray, block_section
+    from chemio_py.arrays.diskarray import DiskArray, block_section
     from chemio_py.prefetch import iter_blocks
     return (getattr(cio, "DiskArray", DiskArray), getattr(cio, "block_section", block_section),
             getattr(cio, "iter_blocks", iter_blocks))

@@ -22,13 +22,16 @@ import uuid
 
 import pytest
 
+TESTS = os.path.dirname(os.path.abspath(__file__))    # tests/: shared helpers live here
+REPO = os.path.dirname(TESTS)                        # the checkout: tests are grouped below
 SCRATCH_ROOT = tempfile.mkdtemp(prefix="cio-tests-")
 os.environ["CHEMIO_SCRATCH"] = SCRATCH_ROOT
 for var in ("CHEMIO_SHARED_SCRATCH", "CHEMIO_BACKEND", "CHEMIO_CONFIG", "CHEMIO_SYNC",
             "CHEMIO_KEEP", "CHEMIO_TRACE", "CHEMIO_IO_THREADS", "CHEMIO_DIRECT"):
     os.environ.pop(var, None)
 
-from chemio_py import config, scratch, stats  # noqa: E402
+from chemio_py.runtime import config, stats  # noqa: E402
+from chemio_py.scratch import jobs  # noqa: E402
 import chemio_py.backends as backends  # noqa: E402
 
 SHM_DIR = os.environ.get("CHEMIO_SHM_DIR", "/dev/shm")
@@ -95,7 +98,7 @@ def _clean_scratch_after_test():
     stats.reset()
     yield
     config.reset()
-    scratch.cleanup()
+    jobs.cleanup()
     left = _leftovers(SCRATCH_ROOT)
     if left:
         for name in os.listdir(SCRATCH_ROOT):
@@ -138,7 +141,7 @@ def small_fs(make_tmpfs):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    scratch.cleanup()
+    jobs.cleanup()
     left = _leftovers(SCRATCH_ROOT)
     shm_left = sorted(_shm_entries() - _SHM_BEFORE)
     shutil.rmtree(SCRATCH_ROOT, ignore_errors=True)

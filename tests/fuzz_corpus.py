@@ -7,7 +7,7 @@ Deep nesting, huge files, numbers that overflow, NaN, wrong types, binary garbag
 UTF-16, an empty file, a FIFO (a reader that opens it blindly blocks forever), a symbolic
 link to ``/dev/zero`` (a reader that follows it reads forever) and a directory.
 
-``tests/test_hostile_inputs.py`` runs the whole corpus against every reader; a reader must
+``tests/tools/test_hostile_inputs.py`` runs the whole corpus against every reader; a reader must
 end each one with its chemio error (or a reported skip), never a traceback, and within a
 bounded peak RSS.
 """

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import chemio_py as cio
-import chemio_py.backends.local as local
+from chemio_py.backends.local import backend as local
 from chemio_py.errors import OutOfSpaceError, StorageError, UnobservedIOError
+from chemio_py.runtime import pool, requests
 
 MiB = 1 << 20
 
@@ -185,7 +186,7 @@ def test_interrupted_blocking_read_leaves_nothing_in_flight(backend):
             if hit >= 3:
                 break
         assert hit >= 1, "no interrupt landed inside the read"
-        assert d.outstanding == 0 and cio.requests.queued() == 0
+        assert d.outstanding == 0 and pool.queued() == 0
 
 
 def test_interrupted_close_waits_for_requests():
@@ -214,10 +215,10 @@ def test_settle_swallows_nothing_and_waits_for_all():
         started.set()
         time.sleep(0.2)
         return 1
-    r = cio.requests.submit(slow)
+    r = pool.submit(slow)
     started.wait()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        with _Interrupts(cio.requests.settle, n=2, every=0.01):
-            cio.requests.settle([r])
+        with _Interrupts(requests.settle, n=2, every=0.01):
+            requests.settle([r])
     assert r.done() and time.perf_counter() - t0 >= 0.15

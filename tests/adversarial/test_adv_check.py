@@ -4,8 +4,8 @@ Exit status 0 = fine, 1 = something wrong (named), 2 = not a chemio file / missi
 Hostile inputs (a FIFO, a link to /dev/zero, sizes claiming gigabytes) must neither hang
 nor allocate: they run in child processes with a timeout and a peak-RSS bound.
 
-Most tests call ``chemio_py.check.main(argv)`` directly (the function ``chemio check``
-runs); ``test_module_entry_point`` runs ``python -m chemio_py.check`` as a real process;
+Most tests call ``chemio_py.tools.check.main(argv)`` directly (the function ``chemio check``
+runs); ``test_module_entry_point`` runs ``python -m chemio_py.tools.check`` as a real process;
 ``test_console_script_once_wired`` runs the ``chemio`` console script and is skipped until
 ``cli.py`` wires the sub-command in.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import chemio_py as cio
-from chemio_py import check
+from chemio_py.tools import check
 
 MiB = 1 << 20
 TIMEOUT = 60
@@ -142,12 +142,12 @@ def make_records(workdir, comp=None, n=3000, name="log") -> str:
 
 
 def locate(path):
-    from chemio_py import records as R
+    from chemio_py.files import recordformat
     data = open(path, "rb").read()
     best = None
-    for so in R._SLOT_OFFSETS:
-        magic, gen, tpos, flags, crc = R._SLOT.unpack_from(data, so)
-        if magic == R._SMAGIC and (best is None or gen > best[0]):
+    for so in recordformat.SLOT_OFFSETS:
+        magic, gen, tpos, flags, crc = recordformat.SLOT.unpack_from(data, so)
+        if magic == recordformat.SMAGIC and (best is None or gen > best[0]):
             best = (gen, tpos)
     _, ioff, ilen, _, jlen = struct.unpack_from("<8sQQII", data, best[1])
     head = json.loads(data[ioff:ioff + jlen])
@@ -257,7 +257,7 @@ def peak_mb():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-from chemio_py import check
+from chemio_py.tools import check
 t0 = time.monotonic()
 status = check.main(["--json", sys.argv[1]])
 sys.stdout.flush()
@@ -311,14 +311,14 @@ def test_fifo_metadata_and_zero_link_do_not_hang(workdir):
 # ---------------------------------------------------------------- entry points
 
 def test_module_entry_point(workdir):
-    """A real process: ``python -m chemio_py.check PATH`` (works before cli.py is wired)."""
+    """A real process: ``python -m chemio_py.tools.check PATH`` (works before cli.py is wired)."""
     path = make_records(workdir, "zstd", n=500)
     env = dict(os.environ, CHEMIO_SCRATCH=str(workdir))
-    p = subprocess.run([sys.executable, "-m", "chemio_py.check", path], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "chemio_py.tools.check", path], capture_output=True,
                        text=True, timeout=TIMEOUT, env=env)
     assert p.returncode == 0 and "result: OK" in p.stdout, p.stdout + p.stderr
     _poke(path, locate(path)["tpos"], b"XXXXXXXX")
-    p = subprocess.run([sys.executable, "-m", "chemio_py.check", "--json", path],
+    p = subprocess.run([sys.executable, "-m", "chemio_py.tools.check", "--json", path],
                        capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert p.returncode == 1 and json.loads(p.stdout)["problems"], p.stdout + p.stderr
 

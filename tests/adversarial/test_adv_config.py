@@ -19,8 +19,8 @@ import textwrap
 import pytest
 
 import chemio_py as cio
-from chemio_py import config, stats
-from chemio_py.config import ConfigError
+from chemio_py.runtime import config, trace
+from chemio_py.runtime.config import ConfigError
 from chemio_py.errors import ArgumentError
 
 OTHER = 65534                                  # "nobody": a uid that is not ours and not root
@@ -179,7 +179,7 @@ def test_config_that_is_not_a_regular_file(kind, where, tmp_path):
         env["CHEMIO_CONFIG"] = target
     p = _run("""
         import chemio_py as cio
-        from chemio_py.config import ConfigError
+        from chemio_py.runtime.config import ConfigError
         try:
             cio.settings()
         except ConfigError as e:
@@ -238,7 +238,7 @@ def test_foreign_cwd_config_cannot_redirect_trace_or_keep_scratch(tmp_path):
     # 1. the first file operation needs a setting from the file: the user sees the error
     p = _run("""
         import numpy as np, chemio_py as cio
-        from chemio_py.config import ConfigError
+        from chemio_py.runtime.config import ConfigError
         try:
             f = cio.ExclusiveFile("work", "w+")
             f.write(0, np.arange(1000.0))
@@ -250,7 +250,7 @@ def test_foreign_cwd_config_cannot_redirect_trace_or_keep_scratch(tmp_path):
     #    file's keep=true and trace= do nothing
     q = _run("""
         import numpy as np, chemio_py as cio
-        from chemio_py.config import ConfigError
+        from chemio_py.runtime.config import ConfigError
         try:
             with cio.ExclusiveFile("work", "w+", backend="local") as f:
                 f.write(0, np.arange(1000.0))
@@ -516,13 +516,13 @@ def test_trace_setting_refuses_hostile_target(kind, tmp_path, victim):
     try:
         _events()
         with pytest.raises(ConfigError) as ei:
-            stats.write_trace()
+            trace.write_trace()
         msg = str(ei.value)
         assert str(target) in msg and "trace" in msg, msg
         _unchanged(kind, target, victim)
         _no_temp_left(tmp_path)
         with pytest.raises(ArgumentError):               # an explicit path: same rule
-            stats.write_trace(str(target))
+            trace.write_trace(str(target))
         _unchanged(kind, target, victim)
     finally:
         cio.configure(trace=None)
@@ -537,7 +537,7 @@ def test_trace_temp_name_cannot_be_planted(tmp_path, victim):
     cio.configure(trace=str(target))
     try:
         _events()
-        assert stats.write_trace() == str(target)
+        assert trace.write_trace() == str(target)
     finally:
         cio.configure(trace=None)
     assert victim.read_bytes() == VICTIM_TEXT
@@ -552,7 +552,7 @@ def test_trace_replaces_own_previous_trace(tmp_path):
     cio.configure(trace=str(target))
     try:
         _events()
-        assert stats.write_trace() == str(target)
+        assert trace.write_trace() == str(target)
     finally:
         cio.configure(trace=None)
     data = json.loads(target.read_text())
@@ -567,7 +567,7 @@ def test_trace_into_missing_directory_is_an_error(tmp_path):
     try:
         _events()
         with pytest.raises(OSError):
-            stats.write_trace()
+            trace.write_trace()
     finally:
         cio.configure(trace=None)
     assert not (tmp_path / "no").exists()

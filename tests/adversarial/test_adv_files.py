@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import chemio_py as cio
-from chemio_py.errors import (ArgumentError, MetadataError, SectionError)
-from chemio_py.errors import SupersededError
+from chemio_py.errors import ArgumentError, MetadataError, SectionError, SupersededError
 
 
 def _run(code: str, *args: str, timeout: float = 120, env: dict | None = None):
@@ -348,7 +347,7 @@ def test_killed_create_leaves_a_recoverable_state(tmp_path):
     state and the recovery they suggest works."""
     code = """
 import os, sys, chemio_py as cio
-import chemio_py.meta as meta
+import chemio_py.arrays.meta as meta
 meta.write_atomic = lambda *a, **k: os.kill(os.getpid(), 9)
 cio.DiskArray.create("k", (64, 64), "f8", path=sys.argv[1], persistent=True)
 """

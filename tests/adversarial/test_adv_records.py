@@ -174,7 +174,7 @@ def tiny_fs(make_tmpfs):
 def enospc_past(monkeypatch):
     """Fault injection at the syscall when tmpfs cannot be mounted: writes that would take
     the file past ``limit`` bytes fail with ENOSPC (as a full file system would)."""
-    import chemio_py.backends.local as local
+    from chemio_py.backends.local import backend as local
 
     def install(limit: int) -> None:
         real_pwrite, real_pwritev = os.pwrite, os.pwritev
@@ -251,7 +251,7 @@ def test_enospc_after_durable_flush_keeps_its_records(tiny_fs, enospc_past, work
 def test_failed_later_flush_keeps_the_durable_records(workdir, monkeypatch):
     """A later flush that fails half-way through its index (EIO on that write) leaves the
     durable commit readable."""
-    import chemio_py.backends.local as local
+    from chemio_py.backends.local import backend as local
     where = str(workdir)
     real_pwrite, real_pwritev = os.pwrite, os.pwritev
     armed = []
@@ -351,14 +351,15 @@ def test_damaged_newest_durable_commit_is_an_error(workdir):
 
 def locate(path: str) -> dict:
     """Where the committed index of a record file is (the documented layout)."""
-    from chemio_py import records
+    from chemio_py.files import recordformat
     data = open(path, "rb").read()
-    hdr = getattr(records, "_HMAGIC", None)
+    hdr = getattr(recordformat, "HMAGIC", None)
     if hdr is not None and data[:8] == hdr:
         best = None
-        for so in records._SLOT_OFFSETS:
-            magic, gen, tpos, flags, crc = records._SLOT.unpack_from(data, so)
-            if magic == records._SMAGIC and zlib.crc32(data[so:so + records._SLOT.size - 4]) == crc:
+        for so in recordformat.SLOT_OFFSETS:
+            magic, gen, tpos, flags, crc = recordformat.SLOT.unpack_from(data, so)
+            body = data[so:so + recordformat.SLOT.size - 4]
+            if magic == recordformat.SMAGIC and zlib.crc32(body) == crc:
                 if best is None or gen > best[0]:
                     best = (gen, tpos, so)
         tpos = best[1]
@@ -606,6 +607,6 @@ def test_format1_file_replays_and_refuses_append(workdir):
                                    for a, b in zip(g, r))
     with pytest.raises(cio.ModeError, match="format 1"):
         cio.RecordFile("old", "r+", dir=where)
-    from chemio_py import check
+    from chemio_py.tools import check
     rep = check.check_path(str(workdir / "old.0"))
     assert rep.status == 0 and rep.facts["format"] == 1 and rep.facts["records"] == 500

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import chemio_py as cio
-from chemio_py import scratch
+from chemio_py.scratch import janitor, jobs
 from chemio_py.errors import InvalidNameError
 
 MARKER = ".chemio-job.json"
@@ -210,12 +210,12 @@ def test_forked_child_never_removes_its_parents_scratch(root, child):
 
 RAWFORK = """
 import ctypes, os, sys, chemio_py as cio
-from chemio_py import scratch
+from chemio_py.scratch import janitor, jobs
 f = cio.ExclusiveFile('parent', 'w+')
 f.write(0, b'p' * 100)
 pid = ctypes.CDLL(None).fork()                    # a fork that runs no Python fork hooks
 if pid == 0:
-    scratch.cleanup()                             # what exit would do in the child
+    jobs.cleanup()                             # what exit would do in the child
     os._exit(0)
 os.waitpid(pid, 0)
 assert os.path.exists(f.path), 'the child removed the file its parent created'
@@ -354,10 +354,10 @@ def test_clean_keeps_everything_when_proc_cannot_be_read(root):
 def test_scan_api_reports_unprovable_leases_as_alive(root):
     d = dead_job(root)
     _fifo(d)
-    infos = {i.path: i for i in scratch.scan_job_dirs([str(root)])}
+    infos = {i.path: i for i in janitor.scan_job_dirs([str(root)])}
     assert infos[d].alive is True and "FIFO" in infos[d].reason
     with pytest.raises(ValueError, match="refusing"):
-        scratch.remove_job_dir(d, [str(root)])
+        janitor.remove_job_dir(d, [str(root)])
     assert os.path.isdir(d)
 
 
@@ -482,10 +482,10 @@ def test_scan_and_remove_survive_directories_vanishing_under_them(root):
         t.start()
         try:
             for _ in range(3):
-                for info in scratch.scan_job_dirs([str(root)]):
+                for info in janitor.scan_job_dirs([str(root)]):
                     if not info.alive and info.path != template:
                         try:
-                            scratch.remove_job_dir(info.path, [str(root)])
+                            janitor.remove_job_dir(info.path, [str(root)])
                         except ValueError as e:    # half removed by the other party: kept
                             assert "refusing" in str(e)
         finally:
@@ -562,7 +562,7 @@ def test_one_failing_removal_is_reported_and_the_rest_still_go(root):
                                  "\nfock", "fock\x85"])
 def test_names_with_control_characters_are_refused(bad, scratch_root):
     with pytest.raises(InvalidNameError, match="control character") as ei:
-        scratch.validate_name(bad)
+        jobs.validate_name(bad)
     assert "U+" in str(ei.value)                    # says which character it found
     with pytest.raises(InvalidNameError):
         cio.ExclusiveFile(bad, "w+")
@@ -579,8 +579,8 @@ def test_other_bad_names_say_what_was_found():
     for bad, word in (("a/b", "'/'"), ("..", "'..'"), ("", "empty"), ("x" * 201, "201"),
                       ("fock é", "' '")):
         with pytest.raises(InvalidNameError, match=word):
-            scratch.validate_name(bad)
-    assert scratch.validate_name("fock.aoints+1_a-b") == "fock.aoints+1_a-b"
+            jobs.validate_name(bad)
+    assert jobs.validate_name("fock.aoints+1_a-b") == "fock.aoints+1_a-b"
 
 
 
@@ -591,18 +591,18 @@ def test_a_rank_joining_while_the_marker_is_written_counts_the_dir_as_marked(tmp
     process out then left a lone marker behind (10 of 40 real 2-rank runs)."""
     d = tmp_path / "chemio-job"
     d.mkdir()
-    (d / (scratch.LEASE_PREFIX + "vm.1")).write_text("{}")      # the maker's lease
+    (d / (jobs.LEASE_PREFIX + "vm.1")).write_text("{}")      # the maker's lease
     real = os.path.lexists
 
     def marker_appears_after_the_look(path):
         seen = real(path)
-        if path.endswith(scratch.MARKER_NAME) and not seen:
-            scratch._write_marker(str(d))                         # the maker, just after
+        if path.endswith(jobs.MARKER_NAME) and not seen:
+            jobs._write_marker(str(d))                         # the maker, just after
         return seen
-    monkeypatch.setattr(scratch.os.path, "lexists", marker_appears_after_the_look)
-    assert scratch._join(str(d)) is True
+    monkeypatch.setattr(jobs.os.path, "lexists", marker_appears_after_the_look)
+    assert jobs._join(str(d)) is True
     monkeypatch.undo()
-    assert sorted(os.listdir(d)) == sorted([scratch.MARKER_NAME, scratch.LEASE_PREFIX + "vm.1"])
+    assert sorted(os.listdir(d)) == sorted([jobs.MARKER_NAME, jobs.LEASE_PREFIX + "vm.1"])
 
 
 def test_ranks_joining_as_the_dir_is_made_leave_nothing_behind(tmp_path):

@@ -70,7 +70,7 @@ def test_bad_index_checksum(tmp_path):
 
 
 def test_index_offsets_past_the_end(tmp_path):
-    from chemio_py.backends.zarr_format import crc32c
+    from chemio_py.backends.zarr.format import crc32c
     p = _make(tmp_path / "a.zarr")
     f = _shard_file(p)
     raw = bytearray(open(f, "rb").read())
@@ -110,7 +110,7 @@ def test_corrupt_inner_chunk(tmp_path):
 
 def test_inner_chunk_that_inflates_is_refused(tmp_path):
     """A hostile shard whose inner chunk decodes to more than an inner chunk holds."""
-    from chemio_py.backends.zarr_format import crc32c
+    from chemio_py.backends.zarr.format import crc32c
     p = _make(tmp_path / "a.zarr")
     f = _shard_file(p)
     bomb = numcodecs.Zstd(level=1).encode(np.zeros(1 << 20, np.uint8))

@@ -1,0 +1,1088 @@
+"""Disk Resident Arrays: N-d arrays on disk, moved to and from memory in sections.
+
+    >>> import numpy as np, chemio_py as cio
+    >>> d = cio.DiskArray.create("demo", (6, 4), "f8")       # collective; scratch array
+    >>> d[1:3, :] = np.ones((2, 4))                            # blocking write of a section
+    >>> float(d[0:4, 1].sum())                                 # unwritten elements read 0
+    2.0
+    >>> d.close()                                              # a scratch array vanishes
+
+A section is a tuple of step-1 slices (or ints, which drop their axis) inside the shape.
+Sections become chunk pieces and each piece byte runs (``chemio_py.backends.grid``); the pieces go
+to the I/O pool in parallel and the bytes land straight in the caller's array.
+``create``/``open``/``close``/``delete``/``read_all``/``write_all`` are collective over the
+communicator (``cio.comm()`` unless ``comm=``): a failure on one rank raises on every rank.
+Everything else is independent. See DESIGN §3 for the contract.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+import chemio_py.backends as _backends
+from chemio_py.arrays import meta as _meta, sections as _sections
+from chemio_py.arrays.chunks import clip_chunks, default_chunks, hinted_chunks
+from chemio_py.arrays.checksums import (
+    Checksums,
+    check_checksum,
+    checksum_meta,
+    crc_path,
+    verify_then_copy,
+)
+from chemio_py.backends import grid
+from chemio_py.errors import (
+    ArgumentError,
+    ChemIOError,
+    MetadataError,
+    ModeError,
+    NotSharedError,
+    SectionError,
+    SupersededError,
+)
+from chemio_py.runtime import config, handles, pool, reprs, requests, stats
+from chemio_py.runtime.comm import Comm, resolve as _resolve_comm
+from chemio_py.scratch import jobs
+
+if TYPE_CHECKING:
+    import dask.array
+    import xarray
+
+    from chemio_py.prefetch import Pipeline
+
+SUFFIX = ".dra"
+META_SUFFIX = ".json"
+TASK_MIN = 4 << 20            # a task of the I/O pool moves at least this much (if there is)
+TASK_MAX = 16 << 20           # ... and at most about this much
+
+
+# ---------------------------------------------------------------- sections
+
+def block_section(shape: Sequence[int], comm: Any = None, axis: int = 0, *,
+                  chunks: Sequence[int] | None = None) -> tuple[slice, ...]:
+    """This rank's share of an array of ``shape``: a block of ``shape[axis]``, GA style.
+
+    Shares are contiguous, in rank order, and differ by at most one row (one chunk when
+    ``chunks`` is given: then shares start on chunk boundaries, so no two ranks write the
+    same chunk). A rank may get an empty share when there are more ranks than rows.
+    """
+    c = _resolve_comm(comm)
+    shape = _meta.check_shape(shape)
+    try:
+        ax = operator.index(axis)
+    except TypeError:
+        raise ArgumentError(f"axis must be an int, got {axis!r}") from None
+    if not -len(shape) <= ax < len(shape):
+        raise ArgumentError(f"axis {axis} is out of range for shape {shape}")
+    ax %= len(shape)
+    unit = 1
+    if chunks is not None:
+        unit = _meta.check_shape(chunks, "chunks")[ax] or 1
+    lo, hi = grid.block_bounds(shape[ax], c.size, c.rank, unit)
+    return tuple(slice(lo, hi) if k == ax else slice(0, n) for k, n in enumerate(shape))
+
+
+# ---------------------------------------------------------------- helpers
+
+def _direct(a: np.ndarray) -> bool:
+    """True when the store can move bytes straight into/out of ``a`` (rows contiguous)."""
+    isz = a.itemsize
+    if any(s < 0 or s % isz for s in a.strides):
+        return False
+    for n, s in zip(reversed(a.shape), reversed(a.strides)):
+        if n > 1:
+            return s == isz
+    return True
+
+
+def _as_values(value: Any, dtype: np.dtype) -> np.ndarray:
+    """Python scalars and sequences as an array, by NumPy's rule for Python values: a
+    number that does not fit ``dtype`` (300 for int8) is an error, not a wrapped value."""
+    arr = np.asarray(value)
+    if arr.dtype.kind in "biufc" and np.can_cast(arr.dtype, dtype, "same_kind"):
+        try:
+            return np.asarray(value, dtype=dtype)
+        except OverflowError as e:
+            raise ArgumentError(f"value {value!r} does not fit dtype {dtype} ({e}); nothing "
+                                f"was written") from None
+    return arr
+
+
+class _Releaser:
+    """What ``cio.cleanup()`` closes at exit: the local handle only, never a collective."""
+
+    __slots__ = ("owner", "__weakref__")
+
+    def __init__(self, owner: "DiskArray"):
+        self.owner = owner
+
+    def _release(self) -> BaseException | None:
+        return self.owner._release()
+
+
+def _new_paths(be: Any, name: str, path: Any, keep: bool, inside: bool) -> tuple[str, str]:
+    """(data path, metadata path) of a new array; the two are one for a backend that keeps
+    its metadata inside its objects (``SelfDescribing``)."""
+    suffix = be.suffix if inside else SUFFIX
+    if not keep:
+        data = os.path.join(jobs.job_dir(be.root("shared")), name + suffix)
+        return data, (data if inside else data + META_SUFFIX)
+    p = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.isdir(p) and not (inside and be.recognizes(p)):
+        p = os.path.join(p, name + suffix)
+    elif p.endswith(META_SUFFIX) and not inside:
+        raise ArgumentError(f"path={path!r} ends with {META_SUFFIX!r}, which names the metadata; "
+                            f"give the data file path (the metadata goes to <path>{META_SUFFIX})")
+    parent = os.path.dirname(p)
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"path={path!r}: directory {parent!r} does not exist; create it first")
+    return p, (p if inside else p + META_SUFFIX)
+
+
+def _check_options(be: Any, be_name: str, options: dict) -> dict:
+    """The backend options of a create/open call, if backend ``be`` takes them all."""
+    known = frozenset(getattr(be, "array_options", ()) or ())
+    bad = sorted(set(options) - known)
+    if bad:
+        takes = f"it takes {sorted(known)}" if known else "it takes none"
+        raise ArgumentError(f"backend {be_name!r} has no option {', '.join(bad)} ({takes}); "
+                            f"remove it or choose a backend that has it")
+    return dict(options)
+
+
+
+def _attributes(inside: bool, m: _meta.Meta) -> dict:
+    """What ``open_array`` gets on creation: the metadata document, for a backend that
+    keeps it inside the object."""
+    return {"attributes": m.to_doc()} if inside else {}
+
+
+def _record(be: Any, m: _meta.Meta, data: str, mpath: str, keep: bool, inside: bool) -> None:
+    """After creation on rank 0: write the metadata beside the data (unless the object
+    holds it) and hand scratch objects to the job's cleanup."""
+    if not keep:
+        jobs.own(data, be.remove)
+    if not inside:
+        crc = crc_path(data)                # the checksums first: never metadata without
+        if m.checksum:
+            Checksums.make(data, grid.Layout(m.shape, m.chunks, m.dtype.itemsize),
+                            0o666 if keep else 0o600)
+            if not keep:
+                jobs.own(crc)
+        elif os.path.lexists(crc):          # those of an array this one replaces
+            jobs.disown(crc)
+            jobs.remove_path(crc)
+        _meta.write_atomic(mpath, _meta.dumps(m), 0o666 if keep else 0o600)
+        if not keep:
+            jobs.own(mpath)
+
+
+def _described(be: Any, be_name: str, path: str) -> _meta.Meta:
+    """The metadata an array of a ``SelfDescribing`` backend keeps inside its object."""
+    return _meta.from_description(be.describe(path), path, be_name,
+                                  _backends.array_formats(be)[0])
+
+
+def _load_meta(be: Any, be_name: str, data: str, mpath: str) -> _meta.Meta:
+    """The metadata of an array: from inside its object, or from the file beside it."""
+    if mpath == data and isinstance(be, _backends.SelfDescribing):
+        return _described(be, be_name, data)
+    return _meta.load(mpath)
+
+
+def _check_disjoint(c: Comm, region: tuple, what: str) -> None:
+    """Collective: raise the same ``SectionError`` on every rank when the regions of two
+    ranks overlap (a collective write has no defined last writer), naming the lowest such
+    pair. Per rank O(P·ndim) time and memory: each rank checks its own region against all
+    (``boxes.first_meeting``) and one ``allreduce`` shares the lowest pair."""
+    from chemio_py.backends import boxes as _boxes
+    boxes = _boxes.unpack(c.allgather(_boxes.pack(region)))
+    pair = _boxes.pair_of(c.allreduce(_boxes.first_meeting(boxes, c.rank), op="min"), c.size)
+    if pair is not None:
+        i, j = pair
+
+        def show(k: int) -> str:
+            return "[" + ", ".join(f"{a}:{b}" for a, b in boxes[k]) + "]"
+        raise SectionError(f"{what}: the sections of rank {i} {show(i)} and rank {j} {show(j)} "
+                           f"overlap; a collective write needs disjoint sections (decide which "
+                           f"rank writes the shared part); nothing was written")
+
+
+def _exists_message(data: str, mpath: str) -> str:
+    if not os.path.lexists(mpath):
+        return (f"a data file without metadata is at {data!r} (left by an interrupted "
+                f"DiskArray.create?); pass overwrite=True to replace it, remove it "
+                f"(os.remove({data!r})), or choose another path")
+    return (f"an array (or file) already exists at {data!r}; pass overwrite=True to replace "
+            f"it, delete it with DiskArray.open({data!r}, 'r+').delete(), or choose another "
+            f"path")
+
+
+def _find(path: Any, backend: str | None) -> tuple[str, str, _meta.Meta]:
+    """(metadata path, data path, metadata) of the array at ``path`` (rank 0 of an open).
+
+    ``path`` is the data path or its ``.json``; without chemio metadata beside it, a
+    self-describing backend (``backend`` if given, else any that recognises it) reads the
+    metadata from inside the object."""
+    p = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if p.endswith(META_SUFFIX) and not os.path.isdir(p):
+        m = _meta.load(p)
+        guess = p[:-len(META_SUFFIX)]
+        data = guess if os.path.exists(guess) else os.path.join(os.path.dirname(p), m.data)
+        return p, data, m
+    mpath = p + META_SUFFIX
+    if not os.path.lexists(mpath):
+        damage: MetadataError | None = None
+        for name in ([backend] if backend else
+                     _backends.serving(_backends.ArrayBackend)):
+            try:
+                be = _backends.resolve(name)
+            except ChemIOError:
+                continue
+            if not isinstance(be, _backends.SelfDescribing):
+                continue
+            if be.recognizes(p):
+                return p, p, _described(be, name, p)
+            if damage is None and os.path.isdir(p):
+                try:                        # its own words on what is wrong inside
+                    return p, p, _described(be, name, p)
+                except MetadataError as e:
+                    damage = e
+                except OSError:
+                    pass
+        if damage is not None:
+            raise damage
+        if os.path.lexists(p):
+            raise MetadataError(
+                f"{p!r} has no metadata ({mpath!r} is missing) and no backend that reads "
+                f"arrays without it recognises it. An interrupted DiskArray.create leaves "
+                f"such a file, but it may also be someone's data: look at it before you "
+                f"decide what to do with it")
+    return mpath, p, _meta.load(mpath)
+
+
+# ---------------------------------------------------------------- the array
+
+class DiskArray:
+    """An N-d array on disk, read and written in sections (see the module docstring).
+
+    Make one with ``DiskArray.create`` or ``DiskArray.open``; both are collective.
+    """
+
+    def __init__(self, *, store: Any, backend_obj: Any, backend_name: str, meta: _meta.Meta,
+                 data_path: str, meta_path: str, mode: str, comm: Comm, owner: bool,
+                 checksums: Checksums | None = None):
+        self._store = store
+        self._sums = checksums
+        self._caps = _backends.capabilities(store)
+        self._be = backend_obj
+        self.backend = backend_name
+        self._meta = meta
+        self._data_path = data_path
+        self._meta_path = meta_path
+        self._mode = mode
+        self._comm = comm
+        self._owner = owner
+        self._layout = grid.Layout(meta.shape, meta.chunks, meta.dtype.itemsize)
+        self._stats = stats.for_file(data_path, backend_name)
+        self._pending = requests.Pending()
+        self._deleted = False
+        self._releaser = _Releaser(self)
+        jobs.register_open(self._releaser)
+
+    # ------------------------------------------------------------ creation
+    @classmethod
+    def create(cls, name: str, shape: Any, dtype: Any, *, request_shape: Any = None,
+               chunks: Any = None, backend: str | None = None, path: Any = None,
+               persistent: bool = False, overwrite: bool = False,
+               comm: Any = None, checksum: bool = False, **options: Any) -> "DiskArray":
+        """Create an array of ``shape`` and ``dtype``, every element zero. Collective.
+
+        Layout: ``chunks`` if given, else chunks shaped by ``request_shape`` (a typical
+        request, ``None`` entries meaning a whole axis: such requests become contiguous on
+        disk), else chunks of 2–4 MiB. Hints change speed, never results.
+
+        Without ``path`` the array is scratch: it lives in the job's shared scratch
+        directory and vanishes on ``close()`` and at exit. With ``path`` (a directory, where
+        the data goes to ``<name>.dra`` — ``<name>.zarr`` on ``zarr`` — or a path of its
+        own) it is persistent: its metadata is written beside it (``<data>.json``; inside
+        the object for backends that describe themselves, like ``zarr``) and
+        ``DiskArray.open`` reopens it with any number of ranks. An existing array there is
+        replaced only with ``overwrite=True``. Other keywords are options of the backend
+        (e.g. ``compressor=`` for ``zarr``); a backend refuses options it does not know.
+
+        ``checksum=True`` (backends ``local``, ``shm``, ``auto``) keeps a CRC-32 per chunk
+        in ``<data>.crc``: every write updates the CRCs of the chunks it touches, every
+        read checks those of the chunks it meets (``ChecksumError`` on damage; a read of
+        part of a chunk reads all of it), ``chemio check --read`` checks them all.
+        """
+        c = _resolve_comm(comm)
+        what = f"DiskArray.create({name!r})"
+        c.begin(what)
+        be: Any = None                      # these four: set under agreement below
+        store: Any = None
+        data: Any = None
+        mpath: Any = None
+        sums: Checksums | None = None
+        created = False
+        try:
+            with c.agree(what):
+                jobs.validate_name(name)
+                shape_t = _meta.check_shape(shape)
+                dt = _meta.check_dtype(dtype)
+                nbytes = math.prod(shape_t) * dt.itemsize
+                if nbytes > _meta.MAX_NBYTES:
+                    raise ArgumentError(f"shape {shape_t} of {dt} makes {nbytes} bytes, more "
+                                        f"than the limit of {_meta.MAX_NBYTES}")
+                ch = cls._choose_chunks(shape_t, dt, chunks, request_shape)
+                if persistent and path is None:
+                    raise ArgumentError(
+                        f"DiskArray {name!r}: persistent=True needs path= (a directory or file "
+                        f"where the array stays); scratch arrays need neither")
+                keep = path is not None
+                be_name = config.backend_for(name, backend).value
+                be = _backends.require(_backends.resolve(be_name), be_name,
+                                       _backends.ArrayBackend)
+                opts = _check_options(be, be_name, options)
+                check_checksum(be, be_name, checksum)
+                spec = (name, shape_t, dt.str, ch, be_name, keep, repr(sorted(opts.items())),
+                        checksum)
+            c.same_everywhere(spec, what, lambda mine, first: (
+                f"rank {c.rank} asked for DiskArray.create{mine[:4]} on backend {mine[4]!r} "
+                f"but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass the same "
+                f"name, shape, dtype, layout, backend and options"))
+            if c.size > 1:
+                if isinstance(be, _backends.CollectiveCheck):   # e.g. shm: one node
+                    with c.agree(what):
+                        be.check_collective(c, what)
+            together = _backends.is_collective(be)
+            inside = isinstance(be, _backends.SelfDescribing)
+            perms = 0o666 if keep else 0o600
+            m = None
+            # 1. rank 0 names the object and makes it (a collective backend: every rank,
+            #    below), then records the metadata.
+            with c.agree(what):
+                if c.rank == 0:
+                    data, mpath = _new_paths(be, name, path, keep, inside)
+                    if keep:
+                        if not overwrite and (be.exists(data) or os.path.lexists(mpath)):
+                            raise ArgumentError(_exists_message(data, mpath))
+                        if not inside and os.path.lexists(mpath):
+                            os.unlink(mpath)           # old metadata first: never half valid
+                    m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch,
+                                   backend=be_name, data=os.path.basename(data),
+                                   persistent=keep, uuid=os.urandom(16).hex(),
+                                   created=_meta.creation_info(c.size),
+                                   layout=_backends.array_formats(be)[0],
+                                   **checksum_meta(checksum))
+                    handles.supersede(data, what)
+                    if not together:
+                        store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
+                                              perms=perms, **_attributes(inside, m), **opts)
+                        created = True
+                        _record(be, m, data, mpath, keep, inside)
+            if c.size > 1:
+                data, mpath, m, host0 = c.bcast(
+                    (data, mpath, m, socket.gethostname()) if c.rank == 0 else None)
+                with c.agree(what):
+                    if c.rank != 0:
+                        handles.supersede(data, what)
+                        if not together:
+                            store = cls._open_peer(be, be_name, data, mpath, m.uuid, shape_t,
+                                                   dt, ch, c, host0, opts)
+            assert m is not None                # made by rank 0 above (and broadcast)
+            if together:
+                store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
+                                      perms=perms, comm=c, **_attributes(inside, m), **opts)
+                created = c.rank == 0
+                with c.agree(what):
+                    if c.rank == 0:
+                        _record(be, m, data, mpath, keep, inside)
+            if m.checksum:
+                with c.agree(what):             # every rank, after rank 0 made them
+                    sums = Checksums.open(data, grid.Layout(shape_t, ch, dt.itemsize), dt,
+                                           True)
+        except BaseException:
+            handles.abandon(data)           # another thread may create this name now
+            if sums is not None:
+                sums.close()
+            if store is not None:
+                _backends.close_local(store)
+            if created:
+                be.remove(data)
+                if mpath != data:
+                    jobs.remove_path(mpath)      # the user layer wrote the metadata
+                    jobs.remove_path(crc_path(data))
+                for p in {data, mpath, crc_path(data)}:
+                    jobs.disown(p)
+            raise
+        try:
+            d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
+                    meta_path=mpath, mode="r+", comm=c, owner=not keep, checksums=sums)
+        except BaseException:
+            handles.abandon(data)
+            if sums is not None:
+                sums.close()
+            raise
+        handles.claim(data, d)
+        return d
+
+    @staticmethod
+    def _choose_chunks(shape: tuple, dt: np.dtype, chunks: Any, request_shape: Any) -> tuple:
+        if chunks is not None:
+            ch = _meta.check_shape(chunks, "chunks")
+            if len(ch) != len(shape) or min(ch) < 1:
+                raise ArgumentError(f"chunks {ch} must have one int >= 1 per axis of shape {shape}")
+            return clip_chunks(ch, shape)
+        if request_shape is not None:
+            try:
+                rs = list(request_shape)
+            except TypeError:
+                raise ArgumentError(f"request_shape {request_shape!r} must be a tuple") from None
+            if len(rs) != len(shape):
+                raise ArgumentError(f"request_shape {tuple(rs)} must have {len(shape)} entries "
+                                    f"(one per axis of shape {shape}; None means a whole axis)")
+            for r in rs:
+                if r is not None and (isinstance(r, bool) or not hasattr(r, "__index__")
+                                      or operator.index(r) < 1):
+                    raise ArgumentError(f"request_shape {tuple(rs)} holds {r!r}; use ints >= 1 "
+                                        f"or None for a whole axis")
+            return hinted_chunks(shape, dt.itemsize,
+                                         [None if r is None else operator.index(r) for r in rs])
+        return default_chunks(shape, dt.itemsize)
+
+    @staticmethod
+    def _open_peer(be: Any, be_name: str, data: str, mpath: str, uuid: str, shape: tuple,
+                   dt: np.dtype, ch: tuple, c: Comm, host0: str, opts: dict) -> Any:
+        here = f"rank {c.rank} on host {socket.gethostname()!r}"
+        fix = ("set CHEMIO_SHARED_SCRATCH (or path=) to a directory on a file system that every "
+               "rank mounts (NFS, Lustre, GPFS, BeeGFS...)")
+        try:
+            m = _load_meta(be, be_name, data, mpath)
+        except MetadataError:
+            if not os.path.exists(mpath):
+                raise NotSharedError(
+                    f"{here} cannot see the array {data!r} that rank 0 created on host "
+                    f"{host0!r}: its directory is not shared by all ranks (node-local?); "
+                    f"{fix}") from None
+            raise
+        if m.uuid != uuid:
+            raise NotSharedError(f"{here} found a different array at {data!r} than the one rank 0 "
+                                 f"created on host {host0!r}: the directory is node-local; {fix}")
+        return be.open_array(data, "r+", shape=shape, dtype=dt, chunks=ch, **opts)
+
+    @classmethod
+    def open(cls, path: Any, mode: str = "r", *, backend: str | None = None,
+             comm: Any = None, **options: Any) -> "DiskArray":
+        """Open an existing array by its data path or its ``.json`` metadata. Collective.
+
+        ``mode`` is ``r`` (read only) or ``r+`` (read and write). The metadata is checked
+        as untrusted input (``MetadataError``); any number of ranks may open an array that
+        any number of ranks wrote. A path without chemio metadata opens when a backend that
+        describes its own arrays recognises it (a Zarr v3 array written by anyone opens on
+        ``zarr``). Opening a scratch array does not make this handle its owner: only its
+        creator's ``close()`` removes it. Other keywords are options of the backend.
+        """
+        c = _resolve_comm(comm)
+        what = f"DiskArray.open({os.fspath(path)!r})"
+        c.begin(what)
+        store = None
+        sums: Checksums | None = None
+        try:
+            with c.agree(what):
+                if mode not in ("r", "r+"):
+                    raise ModeError(f"DiskArray.open mode {mode!r} is not 'r' (read) or 'r+' "
+                                    f"(read/write); create new arrays with DiskArray.create")
+                found = _find(path, backend) if c.rank == 0 else None
+            if c.size > 1:
+                found = c.bcast(found)
+            assert found is not None            # rank 0's, broadcast
+            mpath, data, m = found
+            with c.agree(what):
+                be_name = backend or m.backend
+                be = _backends.require(_backends.resolve(be_name), be_name,
+                                       _backends.ArrayBackend)
+                opts = _check_options(be, be_name, options)
+                if m.layout not in _backends.array_formats(be):
+                    able = [n for n in _backends.serving(_backends.ArrayBackend, m.layout)
+                            if n != be_name]
+                    raise MetadataError(
+                        f"the array at {mpath!r} is in format {m.layout!r}, which backend "
+                        f"{be_name!r} cannot read (it reads "
+                        f"{list(_backends.array_formats(be))}); open it with backend= one of "
+                        f"{able}")
+                if not be.exists(data):
+                    raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
+                                        f"{data!r} is missing; restore it or delete the metadata")
+                together = _backends.is_collective(be)
+                if m.checksum:
+                    check_checksum(be, be_name, True, f" to open the array at {mpath!r}, "
+                                    f"which has checksums")
+                    sums = Checksums.open(data, grid.Layout(m.shape, m.chunks,
+                                                                m.dtype.itemsize),
+                                           m.dtype, mode != "r")
+                if not together:
+                    store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
+                                          chunks=m.chunks, **opts)
+            if together:
+                store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
+                                      chunks=m.chunks, comm=c, **opts)
+        except BaseException:
+            if store is not None:
+                _backends.close_local(store)
+            if sums is not None:
+                sums.close()
+            raise
+        return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
+                   meta_path=mpath, mode=mode, comm=c, owner=False, checksums=sums)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape."""
+        return self._meta.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The element type (native order)."""
+        return self._meta.dtype
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunk shape on disk (the storage objects of ``zarr``)."""
+        return self._meta.chunks
+
+    @property
+    def name(self) -> str:
+        """The name given at creation."""
+        return self._meta.name
+
+    @property
+    def path(self) -> str:
+        """The data file (a directory for ``zarr``)."""
+        return self._data_path
+
+    @property
+    def meta_path(self) -> str:
+        """The metadata file (JSON); the data path itself when the object holds it."""
+        return self._meta_path
+
+    @property
+    def mode(self) -> str:
+        """'r' or 'r+'."""
+        return self._mode
+
+    @property
+    def persistent(self) -> bool:
+        """True when the array outlives close() (created with path=)."""
+        return self._meta.persistent
+
+    @property
+    def checksum(self) -> bool:
+        """True when the array keeps a CRC-32 per chunk (``create(..., checksum=True)``)."""
+        return self._meta.checksum is not None
+
+    @property
+    def comm(self) -> Comm:
+        """The communicator of collective calls."""
+        return self._comm
+
+    @property
+    def stats(self) -> stats.FileStats:
+        """This array's I/O counters."""
+        return self._stats
+
+    @property
+    def ndim(self) -> int:
+        return len(self._meta.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._meta.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self._meta.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def __len__(self) -> int:
+        return self._meta.shape[0]
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"mode {self._mode!r}"
+        kind = "persistent" if self.persistent else "scratch"
+        return (f"<DiskArray {self.name!r} shape={self.shape} dtype={self.dtype} "
+                f"chunks={self.chunks} {kind} {state} path={self.path!r} backend={self.backend}>")
+
+    def _repr_html_(self) -> str:
+        """The notebook view: shape, dtype, chunks, logical bytes and bytes on disk,
+        backend and format, compression, state and open requests."""
+        compression = getattr(self._store, "compression", None) if self._store else None
+        rows = [("shape", self.shape), ("dtype", self.dtype), ("chunks (on disk)", self.chunks),
+                ("grid", tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunks))),
+                ("bytes", reprs.size_text(self.nbytes)),
+                ("on disk", reprs.size_text(reprs.disk_usage(self.path))),
+                ("backend", f"{self.backend} (format {self._meta.layout})"),
+                ("compression", compression or "none"),
+                ("kind", "persistent" if self.persistent else "scratch"),
+                ("state", "closed" if self.closed else f"open, mode {self._mode!r}"),
+                ("open requests", self.outstanding), ("path", self.path)]
+        return reprs.table(f"DiskArray {self.name!r}", rows)
+
+    # ------------------------------------------------------------ checks
+    _superseded: str | None = None
+
+    def _open_store(self) -> Any:
+        if self._store is None:
+            if self._superseded is not None:
+                raise SupersededError(f"DiskArray {self.name!r} is closed: "
+                                              f"{self._superseded}")
+            raise ChemIOError(f"DiskArray {self.name!r} is closed; open it again with "
+                              f"DiskArray.open({self.path!r})")
+        return self._store
+
+    def _supersede(self, reason: str) -> list[BaseException]:
+        """Close this rank's handle because the array was created again (``handles``);
+        the files now belong to the new array, so this one never removes them."""
+        self._superseded = reason
+        self._owner = False
+        self._deleted = True
+        return self._close_local()
+
+    def _writable_store(self) -> Any:
+        st = self._open_store()
+        if self._mode == "r":
+            raise ModeError(f"DiskArray {self.name!r} ({self.path!r}) is open read-only (mode "
+                            f"'r'); open it with mode 'r+' to write")
+        return st
+
+    def _prep_read(self, section: Any, out: Any, transpose: bool) -> tuple:
+        """Checks a read; returns (region, target view in region shape, result, copy-back)."""
+        self._open_store()
+        region, squeeze = _sections.parse_section(section, self.shape)
+        full = grid.region_shape(region)
+        shape = tuple(n for n, s in zip(full, squeeze) if not s)
+        want = shape[::-1] if transpose else shape
+        if out is None:
+            out = np.empty(want, self.dtype)
+        else:
+            if not isinstance(out, np.ndarray):
+                raise ArgumentError(f"out must be a NumPy array, got {type(out).__name__}")
+            if out.dtype != self.dtype:
+                raise ArgumentError(f"out has dtype {out.dtype} but DiskArray {self.name!r} holds "
+                                    f"{self.dtype}; pass an array of dtype {self.dtype} (or "
+                                    f"out=None and convert the result)")
+            if not out.flags.writeable:
+                raise ArgumentError("out is read-only; pass a writable array")
+            if out.shape != want:
+                if out.shape == (full[::-1] if transpose else full):
+                    pass
+                else:
+                    raise SectionError(
+                        f"out has shape {out.shape} but section {section!r} has shape {want}"
+                        f"{' (transposed)' if transpose else ''}; pass an array of shape {want}")
+        target = out.T if transpose else out
+        if target.shape != full:
+            target = _sections.expand(target, squeeze)
+        if _direct(target):
+            return region, target, out, None
+        tmp = np.empty(full, self.dtype)
+        return region, tmp, out, target
+
+    def _prep_write(self, section: Any, data: Any, transpose: bool) -> tuple:
+        """Checks a write; returns (region, source array in region shape)."""
+        self._writable_store()
+        region, squeeze = _sections.parse_section(section, self.shape)
+        full = grid.region_shape(region)
+        shape = tuple(n for n, s in zip(full, squeeze) if not s)
+        want = shape[::-1] if transpose else shape
+        arr = data if isinstance(data, np.ndarray) else _as_values(data, self.dtype)
+        if arr.shape != want and arr.shape != (full[::-1] if transpose else full):
+            raise SectionError(
+                f"data has shape {arr.shape} but section {section!r} has shape {want}"
+                f"{' (data transposed)' if transpose else ''}; nothing was written")
+        if arr.dtype != self.dtype and not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+            raise ArgumentError(
+                f"data of dtype {arr.dtype} is not stored in DiskArray {self.name!r} of dtype "
+                f"{self.dtype} (a different kind of number: values would be lost); convert it "
+                f"first (data.astype({str(self.dtype)!r})) if that is intended; nothing was "
+                f"written")
+        src = arr.T if transpose else arr
+        if src.shape != full:
+            src = _sections.expand(src, squeeze)
+        if src.dtype != self.dtype or not _direct(src):
+            src = np.ascontiguousarray(src, dtype=self.dtype)
+        return region, src
+
+    def _check_independent_write(self, region: tuple) -> None:
+        """The store's veto of an independent write of the whole section, if it has one
+        (before the section is split into tasks, so nothing is written when it says no)."""
+        check = self._caps.check_write
+        if check is not None:
+            check(region)
+
+    # ------------------------------------------------------------ the I/O engine
+    def _tasks(self, store: Any, region: tuple, arr: np.ndarray) -> list[tuple]:
+        nb = grid.region_nbytes(region, self.dtype.itemsize)
+        if nb == 0:
+            return []
+        threads = max(1, int(config.get("io_threads")))
+        task = min(TASK_MAX, max(TASK_MIN, nb // (2 * threads)))
+        subs = self._layout.split(region, task, self._caps.byte_addressable)
+        return [(sub, arr[grid.relative(region, sub)]) for sub in subs]
+
+    def _task(self, store: Any, write: bool, piece: tuple) -> None:
+        region, arr = piece
+        t0 = time.perf_counter()
+        if write:
+            store.write(region, arr)
+        else:
+            store.read(region, arr)
+        self._stats.record("write" if write else "read", arr.nbytes, t0, time.perf_counter())
+
+    def _streams(self, store: Any, write: bool, ntasks: int) -> int:
+        """How many tasks of one section move at once: the I/O threads, at most the
+        store's ``write_streams``/``read_streams`` (beyond them concurrent tasks only
+        contend, e.g. for the CPU of a compressing store)."""
+        n = max(1, int(config.get("io_threads")))
+        cap = self._caps.write_streams if write else self._caps.read_streams
+        return max(1, min(ntasks, n, cap or n))
+
+    def _taskrun(self, store: Any, write: bool, tasks: list) -> tuple[pool.TaskRun, int]:
+        run = pool.TaskRun(functools.partial(self._task, store, write), tasks, self._stats)
+        return run, self._streams(store, write, len(tasks))
+
+    def _start(self, store: Any, write: bool, region: tuple, arr: np.ndarray,
+               value: Any, finish: Any = None) -> requests.Request:
+        run, streams = self._taskrun(store, write, self._tasks(store, region, arr))
+        done = requests.gather([run.start(streams)], value, finish, self._stats)
+        return self._pending.add(done)
+
+    def _run(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
+        """Move a section and return when it is done. One task runs in this thread (a
+        pool hand-off costs more than a small section); several run on the pool while
+        this thread waits, so an interrupt stops the tasks not started and waits for the
+        others instead of leaving them writing into the caller's buffer."""
+        t0 = time.perf_counter()
+        try:
+            cached = None if write else self._caps.read_cached
+            if cached is not None and arr.size and cached(region, arr):
+                self._stats.record("read", arr.nbytes, t0, time.perf_counter())
+                return                                   # all in the page cache: one copy
+            tasks = self._tasks(store, region, arr)
+            if len(tasks) <= 1:
+                for piece in tasks:
+                    self._task(store, write, piece)
+                return
+            run, streams = self._taskrun(store, write, tasks)
+            run.run(streams)                             # stops its tasks before raising
+        finally:
+            self._stats.waited(time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ blocking, independent
+    def read(self, section: Any = (), out: np.ndarray | None = None, *,
+             transpose: bool = False) -> np.ndarray:
+        """Read ``section`` into ``out`` (new array if None) and return it.
+
+        With ``transpose=True`` the result has the section's axes reversed.
+        """
+        region, target, out, back = self._prep_read(section, out, transpose)
+        self._run(self._store, False, region, target)
+        if self._sums is not None:
+            self._sums.verify(self._store, region, target)
+        if back is not None:
+            back[...] = target
+        return out
+
+    def write(self, section: Any, data: Any, *, transpose: bool = False) -> None:
+        """Write ``data`` (the section's shape; reversed with ``transpose=True``) into it.
+
+        Elements of the array outside the section, in the same chunks too, are unchanged.
+        """
+        region, src = self._prep_write(section, data, transpose)
+        self._check_independent_write(region)
+        self._run(self._store, True, region, src)
+        if self._sums is not None:
+            self._sums.updated(self._store, region, src)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return self.read(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``d[section] = value``; ``value`` broadcasts to the section as in NumPy."""
+        arr = value if isinstance(value, np.ndarray) else _as_values(value, self.dtype)
+        region, squeeze = _sections.parse_section(key, self.shape)
+        shape = tuple(n for n, s in zip(grid.region_shape(region), squeeze) if not s)
+        if arr.shape != shape:
+            try:
+                arr = np.broadcast_to(arr, shape)
+            except ValueError:
+                raise SectionError(f"value of shape {arr.shape} does not broadcast to section "
+                                   f"{key!r} of shape {shape}; nothing was written") from None
+        self.write(key, arr)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.read(())
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    # ------------------------------------------------------------ asynchronous
+    def aread(self, section: Any, out: np.ndarray | None = None, *,
+              transpose: bool = False) -> requests.Request:
+        """Start reading ``section`` into ``out``; ``wait()`` returns the filled array."""
+        region, target, out, back = self._prep_read(section, out, transpose)
+        finish = None if back is None else (lambda: back.__setitem__(Ellipsis, target))
+        if self._sums is not None:          # check, then copy back: in the last task's thread
+            finish = functools.partial(verify_then_copy, self._sums, self._store, region,
+                                       target, back)
+        return self._start(self._store, False, region, target, out, finish)
+
+    def aread_direct(self, section: Any, out: np.ndarray,
+                     cached: bool = False) -> requests.Request | None:
+        """Start reading ``section`` into ``out`` straight from the device, when the store
+        can (``local``: O_DIRECT + Linux AIO into ``out``, no CPU copy, no I/O thread; the
+        section's byte runs 4 KiB-aligned, ``out`` contiguous and aligned, its pages not
+        cached); else None, and nothing started (use ``aread``). ``iter_blocks(direct=True)``
+        uses it for read-ahead beside compute that takes every core."""
+        native = getattr(self._open_store(), "native_read_region", None)
+        if native is None or pool.sync_mode() or self._sums is not None:
+            return None
+        region, target, out, back = self._prep_read(section, out, False)
+        if back is not None:
+            return None
+
+        def then(nbytes: int, t0: float, t1: float) -> np.ndarray:
+            self._stats.record("read", nbytes, t0, t1)
+            return out
+        req = native(region, target, then, self._stats, cached=cached)
+        return None if req is None else self._pending.add(req)
+
+    def awrite(self, section: Any, data: Any, *, transpose: bool = False) -> requests.Request:
+        """Start writing ``data`` into ``section``; leave ``data`` alone until it completes."""
+        region, src = self._prep_write(section, data, transpose)
+        self._check_independent_write(region)
+        sums, store = self._sums, self._store
+        finish = None if sums is None else (lambda: sums.updated(store, region, src))
+        return self._start(self._store, True, region, src, None, finish)
+
+    @property
+    def outstanding(self) -> int:
+        """Asynchronous requests of this array not yet complete."""
+        return len(self._pending)
+
+    # ------------------------------------------------------------ collective
+    def read_all(self, section: Any = (), out: np.ndarray | None = None, *,
+                 transpose: bool = False) -> np.ndarray:
+        """Collective read: every rank reads its own section (an empty one is fine)."""
+        c = self._comm
+        what = f"DiskArray {self.name!r} read_all"
+        c.begin(what + "()")
+        with c.agree(what):
+            region, target, out, back = self._prep_read(section, out, transpose)
+        with c.agree(what):
+            self._collective(False, region, target)
+            if self._sums is not None:
+                self._sums.verify(self._store, region, target)
+            if back is not None:
+                back[...] = target
+        return out
+
+    def write_all(self, section: Any, data: Any, *, transpose: bool = False) -> None:
+        """Collective write: every rank writes its own section; all writes are done (and
+        visible to every rank) when it returns. Bad input on any rank writes nothing."""
+        c = self._comm
+        what = f"DiskArray {self.name!r} write_all"
+        c.begin(what + "()")
+        with c.agree(what):
+            region, src = self._prep_write(section, data, transpose)
+        if c.size > 1:
+            _check_disjoint(c, region, what)
+        with c.agree(what):
+            self._collective(True, region, src)
+        if self._sums is not None:
+            # After the agreement every rank's writes are complete: each recomputes the
+            # chunks it touched; one shared by ranks gets the same value from each (the
+            # same final bytes), so no communication is needed.
+            with c.agree(what + " checksums"):
+                self._sums.updated(self._store, region, src)
+
+    def _collective(self, write: bool, region: tuple, arr: np.ndarray) -> None:
+        store = self._store
+        if self._caps.collective:                      # true collective I/O (MPI-IO)
+            t0 = time.perf_counter()
+            if write:
+                store.write_all(region, arr, self._comm)
+            else:
+                store.read_all(region, arr, self._comm)
+            t1 = time.perf_counter()
+            self._stats.record("write" if write else "read", arr.nbytes, t0, t1)
+            self._stats.waited(t1 - t0)
+        else:
+            self._run(store, write, region, arr)
+
+    # ------------------------------------------------------------ lifetime
+    def flush(self) -> None:
+        """Wait for this rank's outstanding requests and make its writes durable."""
+        store = self._open_store()
+        err = requests.failure(self.path, self._pending.drain())
+        if self._mode != "r":
+            store.flush()
+            if self._sums is not None:
+                self._sums.flush()
+        if err is not None:
+            raise err
+
+    def evict(self) -> None:
+        """Wait for this rank's requests, make its writes durable, and drop the array's
+        pages from memory: the page cache and any mapping the store keeps for reads from
+        it (``local``), so the next read comes from the device (cold benchmarks, memory
+        pressure). Not collective; does nothing more on stores that keep no cache."""
+        self.flush()
+        evict = self._caps.evict
+        if evict is not None:
+            evict()
+
+    def _release(self, together: bool = False) -> BaseException | None:
+        """Close this rank's handle (waiting for its requests). Only with ``together``
+        (every rank in ``close``) may the store's close be a collective call."""
+        return requests.failure(self.path, self._close_local(together))
+
+    def _close_local(self, together: bool = False) -> list[BaseException]:
+        if self._store is None:
+            return []
+        errors = self._pending.drain()          # an interrupt here leaves the array open
+        store, self._store = self._store, None
+        self._caps = _backends.NO_CAPABILITIES
+        sums, self._sums = self._sums, None
+        if sums is not None:
+            sums.close()
+        if together:
+            store.close()
+        else:
+            _backends.close_local(store)
+        handles.release(self._data_path, self)
+        return errors
+
+    def close(self) -> None:
+        """Collective: wait for outstanding requests and close; a scratch array is removed
+        (gone for every rank when this returns).
+
+        An error of an outstanding request on any rank is raised on every rank (the array
+        is closed, and a scratch array removed, all the same). Idempotent.
+        """
+        if self._store is None:
+            return
+        c = self._comm
+        if c.broken is not None:            # out of step: no collective can complete
+            self._release()
+            return
+        c.begin(f"DiskArray {self.name!r} close()")
+        try:
+            with c.agree(f"DiskArray {self.name!r} close"):
+                err = self._release(together=True)
+                if err is not None:
+                    raise err
+        finally:
+            if self._owner and not self.persistent:
+                with c.agree(f"DiskArray {self.name!r} removal"):
+                    self._remove_files()
+
+    def delete(self) -> None:
+        """Collective: close the array and remove its data and metadata (persistent too)."""
+        if self._deleted:
+            return
+        self._deleted = True
+        c = self._comm
+        if c.broken is not None:
+            self._release()
+            return
+        c.begin(f"DiskArray {self.name!r} delete()")
+        try:
+            self.close()
+        finally:
+            with c.agree(f"DiskArray {self.name!r} delete"):
+                self._remove_files()
+
+    def _remove_files(self) -> None:
+        """Collective (every rank calls it): remove the metadata (rank 0) and the data,
+        by all ranks together where the backend can (``CollectiveRemove``), else by
+        rank 0. Returns or raises on every rank only inside ``comm.agree``."""
+        c = self._comm
+        failed: list[BaseException] = []
+        if c.rank == 0:
+            for p in {self._meta_path, self._data_path}:
+                jobs.disown(p)
+            if self._meta_path != self._data_path:
+                for p in (self._meta_path, crc_path(self._data_path)):
+                    jobs.disown(p)
+                    try:
+                        jobs.remove_path(p)          # the user layer wrote these
+                    except OSError as e:                # the data still goes
+                        failed.append(e)
+        if _backends.removes_together(self._be, c):
+            self._be.remove_all(self._data_path, c)
+        elif c.rank == 0:
+            self._be.remove(self._data_path)
+        if failed:
+            raise failed[0]
+
+    def __enter__(self) -> "DiskArray":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_store", None) is not None:
+                self._release()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ pipelines and interop
+    def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,
+                    out_dtype: Any = None, *, name: str | None = None,
+                    direct: bool | None = None) -> Pipeline:
+        """Read the array in blocks along ``axis`` with read-ahead: yields ``(section,
+        block)`` (``chemio_py.prefetch.iter_blocks``, which says what each argument does;
+        ``direct=True`` reads uncached blocks through O_DIRECT and Linux AIO)."""
+        from chemio_py.prefetch import iter_blocks
+        return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype,
+                           name=name, direct=direct)
+
+    def to_dask(self, chunks: Any = None) -> dask.array.Array:
+        """A dask array reading this one; its chunks are whole multiples of the disk chunks."""
+        from chemio_py.arrays.interop import to_dask
+        return to_dask(self, chunks=chunks)
+
+    def to_xarray(self, dims: Any = None, coords: Any = None, **kw: Any) -> xarray.DataArray:
+        """A lazily loaded ``xarray.DataArray`` over ``to_dask()`` (needs xarray):
+        ``dims`` names the axes, ``coords``/``attrs``/``name``/``chunks`` as in xarray."""
+        from chemio_py.arrays.interop import to_xarray
+        return to_xarray(self, dims, coords, **kw)
+
+    @classmethod
+    def from_dask(cls, x: Any, name: str, **create_kw: Any) -> "DiskArray":
+        """Store dask array ``x`` in a new DiskArray (collective; blocks in parallel)."""
+        from chemio_py.arrays.interop import from_dask
+        return from_dask(x, name, **create_kw)
+
+    def to_hdf5(self, path: Any, dataset: str, **kw: Any) -> None:
+        """Copy this array into dataset ``dataset`` of HDF5 file ``path`` (collective)."""
+        from chemio_py.arrays.interop import to_hdf5
+        to_hdf5(self, path, dataset, **kw)
+
+    @classmethod
+    def from_hdf5(cls, h5file: Any, dataset: str, name: str | None = None,
+                  **kw: Any) -> "DiskArray":
+        """A new DiskArray holding dataset ``dataset`` of HDF5 file ``h5file`` (collective)."""
+        from chemio_py.arrays.interop import from_hdf5
+        return from_hdf5(h5file, dataset, name, **kw)

@@ -1,0 +1,249 @@
+"""Hot DiskArray reads on the local backend: copies from a persistent read-only mapping
+of the data file, guarded against SIGBUS, droppable (evict, a cap on mapped bytes)."""
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import chemio_py as cio
+from chemio_py.backends import posix
+from conftest import REPO
+from chemio_py.backends.local import mappings
+
+pytestmark = pytest.mark.skipif(not posix.sigbus_guard_ok(), reason="needs Linux, 64-bit")
+
+
+def _mapped(store) -> bool:
+    return id(store) in mappings.live_maps
+
+
+def _resident_pages(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            addr = np.frombuffer(mm, np.uint8).ctypes.data
+            assert posix.mincore_ok()
+            return int(posix.mincore_pages(addr, n).sum())
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+
+
+def _spy(store):
+    used = {"mapped": 0}
+    real = store._copy_mapped
+
+    def spy(region, out):
+        got = real(region, out)
+        used["mapped"] += got is True
+        return got
+    store._copy_mapped = spy
+    return used
+
+
+@pytest.mark.parametrize("shape,chunks,dtype", [
+    ((97, 131), (16, 40), "f8"), ((40, 33, 17), (7, 10, 5), "complex64"),
+    ((1000,), (64,), "i2"), ((64, 64), (64, 64), "f4"), ((30, 1, 50), (4, 1, 7), "u1")])
+def test_mapped_reads_agree_with_the_data(tmp_path, shape, chunks, dtype):
+    rng = np.random.default_rng(7)
+    model = (rng.standard_normal(shape) * 100).astype(dtype)
+    d = cio.DiskArray.create("h", shape, dtype, chunks=chunks, path=tmp_path)
+    d[...] = model
+    used = _spy(d._store)
+    for _ in range(40):
+        a = [int(rng.integers(0, n)) for n in shape]
+        b = [int(rng.integers(x + 1, n + 1)) for x, n in zip(a, shape)]
+        sec = tuple(slice(x, y) for x, y in zip(a, b))
+        np.testing.assert_array_equal(d[sec], model[sec])
+        big = np.zeros(tuple(n + 2 for n in model[sec].shape), dtype)     # a strided out
+        view = big[tuple(slice(1, 1 + n) for n in model[sec].shape)]
+        d.read(sec, view)
+        np.testing.assert_array_equal(view, model[sec])
+        assert not big[0].any() and not big[-1].any()
+        np.testing.assert_array_equal(d.read(sec, transpose=True), model[sec].T)
+    assert used["mapped"] >= 40                        # the mapped path did the work
+    d.delete()
+
+
+def test_evict_unmaps_and_drops_the_pages(tmp_path):
+    d = cio.DiskArray.create("e", (512, 512), "f8", chunks=(64, 512), path=tmp_path)
+    d[...] = 1.0
+    d.flush()
+    assert d[:].sum() == 512 * 512
+    assert _mapped(d._store)
+    assert _resident_pages(d.path) > 0
+    d._store.evict()
+    assert not _mapped(d._store)                       # unmapped, so fadvise could drop
+    assert _resident_pages(d.path) == 0
+    assert d[:].sum() == 512 * 512                     # and reads still work
+    mappings.drop_mappings()
+    assert not mappings.live_maps
+    d.delete()
+
+
+def test_mapped_bytes_stay_under_the_cap(tmp_path):
+    a = cio.DiskArray.create("a", (256, 256), "f8", path=tmp_path)    # 512 KiB each
+    b = cio.DiskArray.create("b", (256, 256), "f8", path=tmp_path)
+    big = cio.DiskArray.create("c", (512, 512), "f8", path=tmp_path)  # 2 MiB
+    for x, v in ((a, 1.0), (b, 2.0), (big, 3.0)):
+        x[...] = v
+    cio.configure(map_cap=600 * 1024)               # the setting (CHEMIO_MAP_CAP, TOML)
+    mappings.drop_mappings()
+    assert a[:].sum() == 256 * 256 and _mapped(a._store)
+    assert b[:].sum() == 2 * 256 * 256 and _mapped(b._store)
+    assert not _mapped(a._store)                       # least recently used went first
+    assert sum(m.nbytes for m in mappings.live_maps.values()) <= mappings.map_cap() == 600 * 1024
+    assert big[:].sum() == 3 * 512 * 512               # over the cap: read without a mapping
+    assert not _mapped(big._store)
+    for x in (a, b, big):
+        x.delete()
+    assert not mappings.live_maps                             # closing a store unmaps it
+
+
+READER = """
+import os, sys, time, numpy as np, chemio_py as cio
+from chemio_py.backends import posix
+d = cio.DiskArray.open(sys.argv[1], "r")
+assert d[:, :].sum() > 0                            # cached and mapped
+print("OPEN", flush=True)
+n = errors = other = 0
+msg = ""
+t_end = time.time() + float(sys.argv[2])
+while time.time() < t_end and (posix.sigbus_caught() < 3 or n + errors < 5):
+    try:
+        x = d[:, :]
+        n += 1
+        if not np.isin(x, (0.0, 1.0)).all():
+            other += 1                              # neither the data nor a hole
+    except cio.ChemIOError as e:
+        errors += 1
+        msg = str(e)
+print("READS", n, errors, other, posix.sigbus_caught(), flush=True)
+print(msg, flush=True)
+d.close()
+"""
+
+
+def test_truncation_under_a_copying_reader_is_an_error_not_a_crash(tmp_path):
+    """Another process shrinks the file while this one copies from its mapping: the
+    guarded copy survives the SIGBUS, and the read says the file is short (or, when the
+    file grew back first, returns its bytes)."""
+    a = cio.DiskArray.create("t", (2048, 2048), "f8", chunks=(256, 2048), path=tmp_path,
+                             persistent=True)
+    a[...] = 1.0
+    a.flush()
+    path = a.path
+    a.close()
+    size = os.path.getsize(path)
+    half = np.ones((size // 2) // 8)
+    reader = subprocess.Popen([sys.executable, "-c", READER, path, "20"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "OPEN"
+        fd = os.open(path, os.O_RDWR)
+        try:
+            while reader.poll() is None:
+                os.ftruncate(fd, size // 2)
+                os.pwrite(fd, half.tobytes(), size // 2)   # back in full, cached again
+        finally:
+            os.close(fd)
+        out, err = reader.communicate(timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.communicate()
+    assert reader.returncode == 0, (reader.returncode, err[-2000:])   # -7 is SIGBUS
+    _, n, errors, other, caught = out.split("\n")[0].split()
+    assert int(caught) >= 1, out                       # the guard was really needed
+    assert int(other) == 0, out
+    assert int(n) + int(errors) > 0
+    if int(errors):
+        assert "truncated" in out or "shorter" in out, out
+    cio.DiskArray.open(path, "r+").delete()
+
+
+def test_a_sigbus_elsewhere_still_kills(tmp_path):
+    """The guard takes only faults in its own mappings: a program's own bad memmap access
+    dies of SIGBUS as before (after the guard was installed by a hot read)."""
+    code = textwrap.dedent("""
+        import os, sys, numpy as np, chemio_py as cio
+        from chemio_py.backends import posix
+        d = cio.DiskArray.create("k", (64, 64), "f8", path=sys.argv[1])
+        d[...] = 1.0
+        assert d[:].sum() == 4096 and posix.sigbus_guard_arm()
+        p = os.path.join(sys.argv[1], "plain.bin")
+        np.ones(4096).tofile(p)
+        m = np.memmap(p, dtype="f8", mode="r")
+        os.truncate(p, 0)
+        print("ALIVE", float(m[100]), flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == -signal.SIGBUS, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "ALIVE" not in p.stdout
+    for name in os.listdir(tmp_path):
+        os.unlink(os.path.join(tmp_path, name))
+
+
+@pytest.mark.parametrize("sec", [(slice(33, 590), slice(70, 650)),     # runs of chunk rows
+                                 (slice(64, 128), slice(0, 700)),      # one whole chunk row
+                                 (slice(5, 6), slice(3, 4))])          # one element
+def test_a_cold_read_leaves_its_pages_mapped(tmp_path, sec):
+    """A read through preadv hands its ranges to the page-table filler as it goes, so the
+    next read of the section from the page cache copies without page faults (as a
+    ``numpy.memmap``'s first read maps its pages), and nothing is left running after it."""
+    import resource
+    if not posix.page_tables.ok:
+        pytest.skip("the kernel lacks MADV_POPULATE_READ (Linux 5.14+)")
+    model = np.arange(600 * 700, dtype="f8").reshape(600, 700)
+    d = cio.DiskArray.create("m", model.shape, "f8", chunks=(64, 128), path=tmp_path)
+    d[...] = model
+    d.flush()
+    d.evict()
+    np.testing.assert_array_equal(d[sec], model[sec])   # cold: preadv, page tables filled
+    assert _mapped(d._store)
+    out = np.empty(model[sec].shape)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert d._store.read_cached(sec, out)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0 < 20   # ~300 without
+    np.testing.assert_array_equal(out, model[sec])
+    d.evict()                                            # unmapped: the pages can go
+    assert not _mapped(d._store)
+    np.testing.assert_array_equal(d[sec], model[sec])
+    d.delete()
+
+
+def test_cold_reads_without_the_filler_are_unchanged(tmp_path, monkeypatch):
+    """Where the kernel lacks the advice (``ok`` False), reads take the plain preadv path."""
+    monkeypatch.setattr(posix.page_tables, "ok", False)
+    model = np.arange(300 * 200, dtype="i4").reshape(300, 200)
+    d = cio.DiskArray.create("n", model.shape, "i4", chunks=(32, 64), path=tmp_path)
+    d[...] = model
+    d.evict()
+    np.testing.assert_array_equal(d[10:290, 7:199], model[10:290, 7:199])
+    np.testing.assert_array_equal(d[10:290, 7:199], model[10:290, 7:199])
+    d.delete()
+
+
+def test_diskarray_evict_drops_pages_and_mapping(tmp_path):
+    """``DiskArray.evict()`` is the public way to make the next read cold: it unmaps the
+    store's read mapping and drops the file's pages (mincore says so)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from common import resident_fraction
+    d = cio.DiskArray.create("ev", (512, 512), "f8", path=tmp_path)
+    d[...] = 1.0
+    assert d[:].sum() == 512 * 512 and _mapped(d._store)   # hot: through the mapping
+    d.evict()
+    assert not _mapped(d._store)
+    resident = resident_fraction(d.path)
+    assert resident is not None and resident < 0.5, resident
+    assert d[:].sum() == 512 * 512                           # and it reads back correctly
+    d.delete()
