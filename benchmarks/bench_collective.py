@@ -42,13 +42,12 @@ import pickle
 import statistics
 import sys
 import time
-import tracemalloc
 from typing import Any, Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MiB, row  # noqa: E402
+from common import peak_mib, row  # noqa: E402
 
 from chemio_py.arrays import diskarray  # noqa: E402
 from chemio_py.backends.zarr import exchange as X  # noqa: E402
@@ -132,16 +131,26 @@ def _region(box: tuple) -> tuple:
 
 # ------------------------------------------------------------------ the old algorithms
 
-def old_check_disjoint(c: Comm, region: tuple, what: str) -> None:
-    """``diskarray._check_disjoint`` before issue 21: a P x P x ndim broadcast per rank."""
-    boxes = np.array(c.allgather([(s.start, s.stop) for s in region]), dtype=np.int64)
+def old_first_pair(boxes: np.ndarray) -> tuple[int, int] | None:
+    """The first overlapping pair of ``boxes`` (P x ndim x (lo, hi)) as the check before
+    issue 21 found it: a P x P x ndim broadcast; None when they are disjoint."""
     lo, hi = boxes[:, :, 0], boxes[:, :, 1]
     full = np.asarray((hi > lo).all(axis=1))     # (asarray: numpy's stubs say bool or array)
     meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
     meet &= full[:, None] & full[None, :]
     np.fill_diagonal(meet, False)
-    if meet.any():
-        i, j = (int(k) for k in np.argwhere(meet)[0])
+    if not meet.any():
+        return None
+    i, j = (int(k) for k in np.argwhere(meet)[0])
+    return i, j
+
+
+def old_check_disjoint(c: Comm, region: tuple, what: str) -> None:
+    """``diskarray._check_disjoint`` before issue 21: a P x P x ndim broadcast per rank."""
+    boxes = np.array(c.allgather([(s.start, s.stop) for s in region]), dtype=np.int64)
+    pair = old_first_pair(boxes)
+    if pair is not None:
+        i, j = pair
 
         def show(k: int) -> str:
             return "[" + ", ".join(f"{a}:{b}" for a, b in boxes[k]) + "]"
@@ -199,18 +208,6 @@ def _timed(fn: Callable[[], Any], repeat: int, budget: float = 1.0) -> tuple[flo
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return statistics.median(cpu), min(cpu), statistics.median(wall)
-
-
-def _peak_mib(fn: Callable[[], Any]) -> float:
-    """Peak memory ``fn()`` allocates above what was allocated before it (MiB)."""
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        fn()
-        return (tracemalloc.get_traced_memory()[1] - before) / MiB
-    finally:
-        tracemalloc.stop()
 
 
 def _check_calls(p: int, rank: int, boxes: list) -> dict[str, Callable[[], Any]]:
@@ -287,8 +284,8 @@ def run(quick: bool, workdir: str) -> list[dict]:
                 rows.append(_time_rows(case, t_new, t_old, "old P x P check",
                                        f"allgather floor (unpickling P boxes) "
                                        f"{t_floor[0] * 1e3:.2f} ms CPU, included"))
-                rows.append(_mem_row(case, _peak_mib(c["new"]),
-                                     _peak_mib(c["old"]) if old_ok else None,
+                rows.append(_mem_row(case, peak_mib(c["new"]),
+                                     peak_mib(c["old"]) if old_ok else None,
                                      "old P x P check"))
                 z = _zarr_calls(p, rank, shape, chunks, boxes)
                 t_plan = _timed(z["new"], repeat)
@@ -296,12 +293,12 @@ def run(quick: bool, workdir: str) -> list[dict]:
                 plan_best[p] = min(plan_best.get(p, math.inf), t_plan[1])
                 case = f"zarr contested_objects, {who}"
                 rows.append(_time_rows(case, t_plan, t_oplan, "old all-pairs plan", cnote))
-                rows.append(_mem_row(case, _peak_mib(z["new"]),
-                                     _peak_mib(z["old"]) if old_mem_ok else None,
+                rows.append(_mem_row(case, peak_mib(z["new"]),
+                                     peak_mib(z["old"]) if old_mem_ok else None,
                                      "old all-pairs plan"))
                 case = f"zarr exchange bookkeeping (no data moved), {who}"
                 rows.append(_time_rows(case, _timed(z["exchange"], repeat), None, "", cnote))
-                rows.append(_mem_row(case, _peak_mib(z["exchange"]), None, ""))
+                rows.append(_mem_row(case, peak_mib(z["exchange"]), None, ""))
         rows += _growth_rows(f"disjointness check {name}", check_best, procs)
         rows += _growth_rows(f"zarr contested_objects {name}", plan_best, procs)
     return rows

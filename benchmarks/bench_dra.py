@@ -36,6 +36,8 @@ cold aligned reads >= 1x h5py (whose file, filled in write order, holds the alig
 section's chunks one after another, while the DRA grid keeps every other 16 MB of the
 file between the section's rows of chunks).
 fio's O_DIRECT sequential read (1 MiB, QD16) of the same bytes is reported when installed.
+``python benchmarks/bench_dra.py [--full] [--methods=DRA,DRA checksum]`` runs the named
+methods alone (those two: the cost of checksums), rows of the others left out.
 """
 from __future__ import annotations
 
@@ -43,12 +45,13 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MiB, evict, fio_available, mib_s, row, run_fio  # noqa: E402
+from common import MiB, evict, fio_available, mib_s, run_fio  # noqa: E402
+from common import row as _row  # noqa: E402
 
 FULL = dict(n=8000, s=4000, reps=7)
 QUICK = dict(n=2000, s=1000, reps=3)
@@ -273,7 +276,9 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def run(quick: bool, workdir: str) -> list[dict]:
+def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list[dict]:
+    """The rows; ``methods`` limits the run to these method names (e.g. ``("DRA", "DRA
+    checksum")`` for the cost of checksums alone), rows of the others left out."""
     cfg = QUICK if quick else FULL
     n, s, reps = cfg["n"], cfg["s"], cfg["reps"]
     nbytes = s * s * 8
@@ -282,18 +287,34 @@ def run(quick: bool, workdir: str) -> list[dict]:
     cases = {"aligned": (slice(0, s), slice(0, s)),
              "non-aligned": (slice(OFFSET[0], OFFSET[0] + s), slice(OFFSET[1], OFFSET[1] + s))}
 
-    methods: list[_Method] = []
+    names = ["DRA", "DRA hinted", "DRA checksum", "raw", "numpy.memmap", "h5py", "zarr"]
+    unknown = sorted(set(methods or ()) - set(names))
+    if unknown:
+        raise ValueError(f"bench_dra has no method {unknown}; choose from {names}")
+    wanted = set(names if methods is None else methods)
+    chosen: list[_Method] = []
     notes = []
     dra = _DRA(workdir, n)
     chunks = dra.d.chunks
-    methods += [dra, _DRA(workdir, n, request_shape=(s, s)), _DRA(workdir, n, checksum=True),
-                _Raw(workdir, nbytes),
-                _Memmap(workdir, n)]
+    chosen += [dra, _DRA(workdir, n, request_shape=(s, s))] if "DRA hinted" in wanted \
+        else [dra]
+    if "DRA checksum" in wanted:
+        chosen.append(_DRA(workdir, n, checksum=True))
+    if "raw" in wanted:
+        chosen.append(_Raw(workdir, nbytes))
+    if "numpy.memmap" in wanted:
+        chosen.append(_Memmap(workdir, n))
     for cls in (_H5, _Zarr):
+        if cls.name not in wanted:
+            continue
         try:
-            methods.append(cls(workdir, n, chunks))
+            chosen.append(cls(workdir, n, chunks))
         except ImportError as e:
             notes.append(f"{cls.name} skipped ({e})")
+    if "DRA" not in wanted:
+        chosen.remove(dra)
+        dra.close()
+    methods = chosen
     times: dict[tuple, list[float]] = {}
     try:
         for rep in range(reps):
@@ -317,7 +338,7 @@ def run(quick: bool, workdir: str) -> list[dict]:
                     times.setdefault((m.name, "hot read again", case), []).append(t)
                     m.close_after_read()
         fio_mib = None
-        if fio_available():
+        if fio_available() and "raw" in wanted:
             raw = next(m for m in methods if m.name == "raw")
             for engine in ("libaio", "psync"):
                 try:
@@ -336,6 +357,9 @@ def run(quick: bool, workdir: str) -> list[dict]:
     def bw(name: str, op: str, case: str) -> float | None:
         t = times.get((name, op, case))
         return None if not t else mib_s(nbytes, statistics.median(t))
+
+    def row(case: str, metric: str, value: float | None, *args: Any, **kw: Any) -> dict:
+        return _row(case, metric, value, *args, **kw) if value is not None else {}
 
     size = f"{s}x{s} of {n}x{n} f8, chunks {chunks[0]}x{chunks[1]}"
     rows = []
@@ -377,14 +401,15 @@ def run(quick: bool, workdir: str) -> list[dict]:
                         "fio seq read", fio_mib, note="informational"))
     for note in notes:
         rows.append(row("skipped", "-", 0.0, note=note))
-    return rows
+    return [r for r in rows if r]
 
 
 if __name__ == "__main__":
     import tempfile
     quick = "--full" not in sys.argv
+    only = [a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--methods=")]
     with tempfile.TemporaryDirectory(prefix="bench-dra-") as d:
-        for r in run(quick, d):
+        for r in run(quick, d, only[-1] if only else None):
             ratio = "" if r["ratio"] is None else f"  x{r['ratio']:.2f}"
             tgt = "" if r["target"] is None else f" (target {r['target']})"
             print(f"{r['case']:<42} {r['value']:9.1f} {r['metric']}{ratio}{tgt}")

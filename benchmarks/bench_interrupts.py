@@ -131,7 +131,7 @@ class _Paths:
             self.rows = cio.aligned_empty((256, 2 * K))         # row i: 8 KiB of i
             self.rows[...] = np.arange(256)[:, None]
             with cio.ExclusiveFile("storm", "w+", dir=workdir, direct=True) as f:
-                if f._store._dfd is None or self.eng is None:
+                if f.store._dfd is None or self.eng is None:
                     raise _Skip("this file system refuses O_DIRECT (or no Linux AIO)")
                 f.write(0, self.rows)
         if kind == "replay":

@@ -66,7 +66,7 @@ def _memcpy_case(quick: bool) -> list[dict]:
     try:
         f.write(0, src)                           # allocate and map every page once
         write, read = f.write, f.read
-        seg = f._store._win.view[:total]          # the mapping itself: the physical limit
+        seg = f.store._win.view[:total]          # the mapping itself: the physical limit
         for req in sizes:
             views = [(o, src[o:o + req], dst[o:o + req]) for o in range(0, total, req)]
             tw, tr, tc, tmw, tmr = [], [], [], [], []

@@ -22,6 +22,8 @@ Stable API:
   ``fresh_dir(parent, name)``.
 * ``payload(nbytes, seed)``, ``slot_permutation(nslots, seed)``, ``fs_type(path)``,
   ``machine_info(path)``.
+* ``peak_mib(fn)`` — peak memory (MiB, tracemalloc) that ``fn()`` allocates above what was
+  allocated before it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -72,6 +75,18 @@ class Timing:
 
     def __repr__(self) -> str:
         return f"Timing(median={self.median:.6f}s, best={self.best:.6f}s, n={len(self.times)})"
+
+
+def peak_mib(fn: Callable[[], Any]) -> float:
+    """Peak memory ``fn()`` allocates above what was allocated before it (MiB)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        fn()
+        return (tracemalloc.get_traced_memory()[1] - before) / MiB
+    finally:
+        tracemalloc.stop()
 
 
 class Stopwatch:

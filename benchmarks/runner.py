@@ -1,7 +1,8 @@
 """Run the chemio_py benchmarks: ``python benchmarks/runner.py [--quick] [--only NAME]``.
 
 Every ``bench_<name>.py`` next to this file is a benchmark: a module with
-``run(quick: bool, workdir: str) -> list[dict]`` returning result rows (see ``common.row``).
+``run(quick: bool, workdir: str) -> list[dict]`` returning result rows (see ``common.row``);
+so is every package ``bench_<name>/`` whose ``__init__.py`` offers that ``run``.
 ``--seconds``, ``--procs`` and ``--seed`` go to the benchmarks whose ``run`` takes them
 (``bench_stress``).
 The runner gives each benchmark its own empty directory inside one work directory, which it
@@ -35,22 +36,33 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import common  # noqa: E402  (this directory is now on sys.path)
+from chemio_py.errors import fmt_bytes  # noqa: E402
 from chemio_py.runtime import progress  # noqa: E402
 
 REQUIRED_KEYS = common.ROW_KEYS
 
 
 def discover(directory: str = HERE) -> dict[str, str]:
-    """``{name: path}`` of the ``bench_<name>.py`` files in ``directory``, sorted by name."""
+    """``{name: path}`` of the benchmarks in ``directory``, sorted by name: ``bench_<name>.py``
+    files and ``bench_<name>/`` packages (the path of the folder)."""
+    found = glob.glob(os.path.join(directory, "bench_*.py")) + [
+        os.path.dirname(p) for p in glob.glob(os.path.join(directory, "bench_*", "__init__.py"))]
     out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "bench_*.py"))):
-        out[os.path.basename(path)[len("bench_"):-len(".py")]] = path
+    for path in sorted(found, key=os.path.basename):
+        base = os.path.basename(path)
+        out[base[len("bench_"):].removesuffix(".py")] = path
     return out
 
 
 def _load(name: str, path: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"chemio_bench_{name}", path)
+    modname = f"chemio_bench_{name}"
+    if os.path.isdir(path):                  # a package: its modules import each other
+        spec = importlib.util.spec_from_file_location(
+            modname, os.path.join(path, "__init__.py"), submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod
     spec.loader.exec_module(mod)
     if not callable(getattr(mod, "run", None)):
         raise TypeError(f"{path} has no run(quick, workdir) function")
@@ -109,7 +121,7 @@ def markdown(results: dict) -> str:
         "# chemio_py benchmarks" + (" (quick)" if results["quick"] else ""),
         "",
         f"{m.get('date')} · {m.get('cpu_count')} CPUs ({m.get('cpu_model')}) · "
-        f"{(mem or 0) / common.GiB:.1f} GiB RAM · workdir fs {m.get('workdir_fs')} · "
+        f"{fmt_bytes(mem or 0, 'GiB')} RAM · workdir fs {m.get('workdir_fs')} · "
         f"Python {m.get('python')} · NumPy {m.get('numpy')} · {m.get('fio') or 'no fio'}",
         "",
         "| benchmark | case | metric | value | baseline | baseline value | ratio | target "
@@ -152,7 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar and no per-benchmark lines")
     p.add_argument("--dir", default=HERE, metavar="DIR",
-                   help="where the bench_*.py files are (default: next to the runner)")
+                   help="where the bench_*.py files and bench_*/ packages are (default: next "
+                        "to the runner)")
     p.add_argument("--seconds", type=float, default=None,
                    help="run time per process count (benchmarks that take it: stress)")
     p.add_argument("--procs", default=None, metavar="P[,P...]",
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         selected = found
     if not selected:
-        print(f"chemio bench: no bench_*.py files in {args.dir}", file=sys.stderr)
+        print(f"chemio bench: no bench_*.py files or bench_*/ packages in {args.dir}",
+              file=sys.stderr)
         return 2
 
     base = args.workdir or common.scratch_base()

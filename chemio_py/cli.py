@@ -1,4 +1,11 @@
-"""The ``chemio`` command: info, config, clean, check, ls, trace, demo, bench.
+"""The ``chemio`` command: info, config, clean, demo, check, ls, trace, bench.
+
+Every subcommand is one row of ``COMMANDS``, a ``Command(name, help, add_arguments, run)``:
+``add_arguments(parser)`` adds its arguments, ``run(args)`` does the work and returns the exit
+status. The commands of ``chemio_py.tools`` are written there, each module offering
+``add_arguments(parser)`` and ``run(args)`` (also used by its own ``main``); the others are
+here. A command with ``rest=True`` (``bench``) gets the arguments it does not declare as
+``args.rest`` instead of a usage error. To add a command, add a row.
 
 Results go to stdout, problems to stderr. When the reader of stdout stops early
 (``chemio info | head -1``) the command ends quietly, without a traceback or an error line,
@@ -13,17 +20,13 @@ import platform
 import select
 import sys
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from chemio_py.errors import RefusedRemoval
+from chemio_py.errors import RefusedRemoval, fmt_bytes
 from chemio_py.runtime import config
 from chemio_py.scratch import fs, janitor, jobs
-from chemio_py.tools import check
-
-
-def _human(n: int | None) -> str:
-    from chemio_py.errors import fmt_bytes
-    return fmt_bytes(n)
+from chemio_py.tools import check, listing, trace_view
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -42,7 +45,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for label, path in places:
         try:
             info = fs.stat(path)
-            print(f"  {label:17s} {path}  {_human(info.free)} free of {_human(info.total)}, "
+            print(f"  {label:17s} {path}  {fmt_bytes(info.free)} free of {fmt_bytes(info.total)}, "
                   f"{info.fstype}")
         except OSError as e:
             print(f"  {label:17s} {path}  not usable: {e}")
@@ -257,14 +260,13 @@ _BENCH_NOT_HERE = ("the benchmark suite is not part of the installed package: it
                    "from a checkout (or pass --dir PATH/benchmarks)")
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str], parser: argparse.ArgumentParser
-              ) -> int:
-    """Run the suite's runner with ``rest``; without the suite, ``--help`` says where it
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the suite's runner with ``args.rest``; without the suite, ``--help`` says where it
     is (exit 0) and anything else says so as an error (exit 2)."""
     d = args.dir or _benchmarks_dir()
     if d is None or not os.path.isfile(os.path.join(d, "runner.py")):
-        if args.dir is None and any(a in ("-h", "--help") for a in rest):
-            parser.print_help()
+        if args.dir is None and any(a in ("-h", "--help") for a in args.rest):
+            args.bench_parser.print_help()
             print(f"\n{_BENCH_NOT_HERE}; there 'chemio bench --help' lists the runner's "
                   f"options (--quick, --only NAME, --list, --out DIR, ...).\nLooked in: "
                   f"{', '.join(_benchmark_places())}")
@@ -275,25 +277,72 @@ def cmd_bench(args: argparse.Namespace, rest: list[str], parser: argparse.Argume
         return 2
     sys.path.insert(0, d)
     mod = _load_script(os.path.join(d, "runner.py"), "chemio_benchmarks_runner")
-    return int(mod.main(rest) or 0)
+    return int(mod.main(args.rest) or 0)
 
 
-def _add_ls_trace(sub: "argparse._SubParsersAction[Any]") -> None:
-    from chemio_py.tools import listing, trace_view
-    listing.add_arguments(sub.add_parser(
-        "ls", help="list the scratch: jobs, their processes and liveness, and their objects"))
-    trace_view.add_arguments(sub.add_parser(
-        "trace", help="a recorded I/O trace (CHEMIO_TRACE) as a timeline picture and summary"))
+# ---------------------------------------------------------------- arguments of each command
+
+def _no_arguments(p: argparse.ArgumentParser) -> None:
+    pass
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from chemio_py.tools.listing import cmd_ls as run
-    return run(args)
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", help="file names to show the backend rule for")
+    p.add_argument("--check", action="store_true", help="only check: list every problem of "
+                   "the environment, config file and directories (exit 1), or say all is well")
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    from chemio_py.tools.trace_view import cmd_trace as run
-    return run(args)
+def _clean_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--root", action="append", help="scratch root to sweep (repeatable); "
+                   "default: every root chemio uses here")
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--eaf", action="store_true", help="run the short EAF pass instead "
+                   "(no PySCF needed)")
+    p.add_argument("--records", type=int, default=64, help="1 MiB records of the --eaf pass")
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")
+    p.set_defaults(bench_parser=p)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand, ``chemio NAME``: its one-line ``help``, ``add_arguments(parser)`` adding
+    its arguments, ``run(args)`` returning the exit status; ``parser`` holds more keywords of
+    ``add_parser`` (description, usage, add_help); ``rest``: undeclared arguments go to
+    ``run`` as ``args.rest`` instead of being a usage error."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    parser: dict[str, Any] = field(default_factory=dict)
+    rest: bool = False
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("info", "version, backends, scratch dirs, MPI, settings", _no_arguments, cmd_info),
+    Command("config", "effective settings with their sources, and their problems (exit 1 "
+            "when there is one)", _config_arguments, cmd_config),
+    Command("clean", "remove scratch of jobs whose processes are gone", _clean_arguments,
+            cmd_clean),
+    Command("demo", "the main job: out-of-core RI-MP2 checked against PySCF", _demo_arguments,
+            cmd_demo),
+    Command("check", "verify a persistent DiskArray, a Zarr array or a RecordFile",
+            check.add_arguments, check.run, {"description": check.DESCRIPTION}),
+    Command("ls", "list the scratch: jobs, their processes and liveness, and their objects",
+            listing.add_arguments, listing.run),
+    Command("trace", "a recorded I/O trace (CHEMIO_TRACE) as a timeline picture and summary",
+            trace_view.add_arguments, trace_view.run),
+    Command("bench", "run the benchmark suite of the source checkout (options go to its "
+            "runner)", _bench_arguments, cmd_bench,
+            {"add_help": False, "usage": "chemio bench [--dir DIR] [runner options: --quick, "
+             "--only NAME, --list, --out DIR, ...]"}, rest=True),
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -306,33 +355,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``chemio`` parser with one subparser per row of ``COMMANDS``."""
     import chemio_py
     p = _Parser(prog="chemio", description="chemio_py: out-of-core scratch I/O for "
                 "computational chemistry")
     p.add_argument("--version", action="version", version=f"chemio_py {chemio_py.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="version, backends, scratch dirs, MPI, settings")
-    c = sub.add_parser("config", help="effective settings with their sources, and their "
-                       "problems (exit 1 when there is one)")
-    c.add_argument("names", nargs="*", help="file names to show the backend rule for")
-    c.add_argument("--check", action="store_true", help="only check: list every problem of "
-                   "the environment, config file and directories (exit 1), or say all is well")
-    cl = sub.add_parser("clean", help="remove scratch of jobs whose processes are gone")
-    cl.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    cl.add_argument("--root", action="append", help="scratch root to sweep (repeatable); "
-                    "default: every root chemio uses here")
-    d = sub.add_parser("demo", help="the main job: out-of-core RI-MP2 checked against PySCF")
-    d.add_argument("--eaf", action="store_true", help="run the short EAF pass instead "
-                   "(no PySCF needed)")
-    d.add_argument("--records", type=int, default=64, help="1 MiB records of the --eaf pass")
-    check.add_parser(sub)
-    _add_ls_trace(sub)
-    b = sub.add_parser("bench", help="run the benchmark suite of the source checkout "
-                       "(options go to its runner)", add_help=False,
-                       usage="chemio bench [--dir DIR] [runner options: --quick, --only NAME, "
-                       "--list, --out DIR, ...]")
-    b.add_argument("--dir", help="benchmarks directory (default: the source checkout's)")
-    b.set_defaults(bench_parser=b)
+    for c in COMMANDS:
+        c.add_arguments(sub.add_parser(c.name, help=c.help, **c.parser))
     return p
 
 
@@ -354,16 +384,15 @@ def _reader_gone() -> bool:
 def _run(argv: list[str]) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.cmd == "bench":
-        return cmd_bench(args, rest, args.bench_parser)
-    if rest:
+    command = next(c for c in COMMANDS if c.name == args.cmd)
+    if command.rest:
+        args.rest = rest
+    elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     import chemio_py.backends as backends
     config.set_choices("backend", backends.names)     # backend names checked with the rest
-    handler = {"info": cmd_info, "config": cmd_config, "clean": cmd_clean, "demo": cmd_demo,
-               "check": check.cmd_check, "ls": cmd_ls, "trace": cmd_trace}[args.cmd]
     try:
-        return handler(args)
+        return command.run(args)
     except Exception as e:
         from chemio_py.errors import ChemIOError
         if isinstance(e, BrokenPipeError) and _reader_gone():

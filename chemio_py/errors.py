@@ -10,14 +10,26 @@ import concurrent.futures as _futures
 import errno as _errno
 
 
-def fmt_bytes(n: float | None) -> str:
+UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def fmt_bytes(n: float | None, unit: str | None = None, *, bare: bool = False) -> str:
+    """``n`` bytes for a reader, the one formatter of the package: ``"512 B"``, ``"1.5 MiB"``
+    (the largest unit that keeps the figure at least 1); in ``unit`` (one of ``UNITS``) when
+    given, ``fmt_bytes(n, "MiB")`` -> ``"0.5 MiB"``, and without the unit when ``bare`` (a
+    column whose heading names it); ``"unknown"`` for None."""
     if n is None:
         return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+    if unit is None:
+        k = 0
+        while k < len(UNITS) - 1 and abs(n) >= 1024 ** (k + 1):
+            k += 1
+    elif unit in UNITS:
+        k = UNITS.index(unit)
+    else:
+        raise ValueError(f"fmt_bytes() got unit {unit!r}; use one of {UNITS}")
+    text = f"{n}" if k == 0 else f"{n / 1024 ** k:.1f}"
+    return text if bare else f"{text} {UNITS[k]}"
 
 
 class ChemIOError(Exception):

@@ -7,6 +7,8 @@ import html
 import os
 from typing import Any, Iterable, Sequence
 
+from chemio_py.errors import fmt_bytes
+
 _STYLE = ("border-collapse:collapse;font-family:monospace;font-size:90%",
           "text-align:left;padding:1px 8px;border-bottom:1px solid #ddd")
 
@@ -15,10 +17,7 @@ def size_text(n: int | None) -> str:
     """``n`` bytes for a reader: ``"1.5 GiB (1610612736 B)"``; ``"?"`` when unknown."""
     if n is None:
         return "?"
-    for unit, k in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << k:
-            return f"{n / (1 << k):.1f} {unit} ({n} B)"
-    return f"{n} B"
+    return fmt_bytes(n) if n < 1024 else f"{fmt_bytes(n)} ({n} B)"
 
 
 def disk_usage(path: str) -> int | None:

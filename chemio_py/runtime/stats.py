@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import Any
 
+from chemio_py.errors import fmt_bytes
 from chemio_py.runtime import reprs
 from chemio_py.runtime.trace import collector
 
@@ -159,10 +160,6 @@ def reset() -> None:
         collector.events.clear()
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f}"
-
-
 class Report(str):
     """The text of ``cio.report()``; a notebook shows it as an HTML table."""
 
@@ -193,11 +190,13 @@ def report(print_it: bool | None = None) -> Report:
     rows = [("file", "backend", "reads", "MiB read", "writes", "MiB written", "io s", "waited s")]
     for f in snap["files"]:
         rows.append((os.path.basename(f["file"]), f["backend"], str(f["reads"]),
-                     _mib(f["bytes_read"]), str(f["writes"]), _mib(f["bytes_written"]),
+                     fmt_bytes(f["bytes_read"], "MiB", bare=True), str(f["writes"]),
+                     fmt_bytes(f["bytes_written"], "MiB", bare=True),
                      f"{f['io_seconds']:.3f}", f"{f['wait_seconds']:.3f}"))
     t = snap["total"]
-    rows.append(("total", "", str(t["reads"]), _mib(t["bytes_read"]), str(t["writes"]),
-                 _mib(t["bytes_written"]), f"{t['io_seconds']:.3f}", f"{t['wait_seconds']:.3f}"))
+    rows.append(("total", "", str(t["reads"]), fmt_bytes(t["bytes_read"], "MiB", bare=True),
+                 str(t["writes"]), fmt_bytes(t["bytes_written"], "MiB", bare=True),
+                 f"{t['io_seconds']:.3f}", f"{t['wait_seconds']:.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(r, widths)))
@@ -362,7 +361,8 @@ def _pipeline_report() -> str:
     rows = [("pipeline", "kind", "ops", "MiB", "io s", "waited s", "compute s", "overlap")]
     for p in pipes:
         eff = p["efficiency"]
-        rows.append((p["pipeline"], p["kind"], str(p["ops"]), _mib(p["bytes"]),
+        rows.append((p["pipeline"], p["kind"], str(p["ops"]),
+                     fmt_bytes(p["bytes"], "MiB", bare=True),
                      f"{p['io_seconds']:.3f}", f"{p['wait_seconds']:.3f}",
                      f"{p['compute_seconds']:.3f}", "-" if eff is None else f"{eff:.0%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -26,7 +26,7 @@ checked is fine, 1 when something is wrong (each problem is named), 2 when ``PAT
 missing or is not a chemio file. ``--json`` prints one JSON object instead of text. While
 it reads data (``--read``, a RecordFile's pages) a progress bar shows on a terminal.
 
-Run as ``chemio check PATH`` (``add_parser`` + ``cmd_check`` in ``cli.py``) or
+Run as ``chemio check PATH`` (``add_arguments`` + ``run``, a row of ``cli.COMMANDS``) or
 ``python -m chemio_py.tools.check PATH``.
 """
 from __future__ import annotations
@@ -609,16 +609,8 @@ def _looks_like_records(fd: int, size: int) -> bool:
 
 # ---------------------------------------------------------------- command line
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``check`` sub-command to the ``chemio`` parser's subparsers."""
-    p = subparsers.add_parser("check", help="verify a persistent DiskArray, a Zarr array or a "
-                              "RecordFile",
-                              description=DESCRIPTION)
-    _arguments(p)
-    return p
-
-
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``chemio check``."""
     p.add_argument("path", help="a DiskArray data file (.dra), its metadata (.dra.json), a "
                    "Zarr v3 array (its directory), or a RecordFile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -627,7 +619,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    "every chunk's CRC")
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the check of ``args.path``; print the report; return the exit status."""
     as_json = getattr(args, "json", False)
     rep = check_path(args.path, read_all=getattr(args, "read", False),
@@ -642,12 +634,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="chemio check", description=DESCRIPTION)
-    _arguments(p)
+    add_arguments(p)
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    return cmd_check(args)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from chemio_py.errors import MetadataError
+from chemio_py.errors import MetadataError, fmt_bytes
 from chemio_py.runtime import config, safejson
 from chemio_py.runtime.ownfiles import NotARegularFile, open_regular, read_small
 from chemio_py.scratch import fs, janitor, jobs
@@ -439,11 +439,6 @@ def foreign_count(roots: Iterable[str] | None = None) -> int:
 
 # ---------------------------------------------------------------- command line
 
-def _human(n: int | None) -> str:
-    from chemio_py.errors import fmt_bytes
-    return fmt_bytes(n)
-
-
 def _age(s: float | None) -> str:
     if s is None:
         return "?"
@@ -475,15 +470,15 @@ def text(jobs: list[JobListing], hidden: int = 0) -> str:
             lines.append(f"    process {p['pid']} on {show(p['host'])}: {st}")
         for o in j.objects:
             lines.append(f"    {o.kind:18s} {o.backend:14s} {show(o.name):32s} "
-                         f"{_human(o.disk_bytes):>10s} on disk / {_human(o.logical_bytes):>10s}"
-                         f"  age {_age(o.age_seconds)}")
+                         f"{fmt_bytes(o.disk_bytes):>10s} on disk / "
+                         f"{fmt_bytes(o.logical_bytes):>10s}  age {_age(o.age_seconds)}")
             if o.note:
                 lines.append(f"      ({show(o.note)})")
         if j.note:
             lines.append(f"    ({j.note})")
         if j.objects:
             lines.append(f"    {len(j.objects)} object{'s' if len(j.objects) != 1 else ''}: "
-                         f"{_human(j.disk_bytes)} on disk, {_human(j.logical_bytes)} logical")
+                         f"{fmt_bytes(j.disk_bytes)} on disk, {fmt_bytes(j.logical_bytes)} logical")
     if not jobs:
         lines.append("no chemio job directories")
     if hidden:
@@ -494,6 +489,7 @@ def text(jobs: list[JobListing], hidden: int = 0) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``chemio ls``."""
     p.add_argument("--root", action="append", help="scratch root to list (repeatable); "
                    "default: every root chemio uses here")
     p.add_argument("--all", action="store_true", help="also list foreign directories "
@@ -501,7 +497,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``chemio ls``: print the listing (text or ``--json``); exit 0."""
     jobs = ls(args.root, all=args.all)
     hidden = 0 if args.all else foreign_count(args.root)

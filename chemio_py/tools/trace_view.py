@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from chemio_py.errors import ArgumentError, ChemIOError
+from chemio_py.errors import ArgumentError, ChemIOError, fmt_bytes
 from chemio_py.runtime import safejson
 from chemio_py.runtime.ownfiles import NotARegularFile, open_regular, read_bounded
 
@@ -289,14 +289,10 @@ def summarize(events: list[dict]) -> dict:
     }
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def text(s: dict, top: int = 5) -> str:
     """The summary as ``chemio trace`` prints it."""
     lines = [f"{s['events']} events over {s['seconds']:.3f} s; {s['io_events']} I/O, "
-             f"{_mib(s['bytes'])} through files"]
+             f"{fmt_bytes(s['bytes'], 'MiB')} through files"]
     busy = s["io_busy_seconds"]
     share = f" ({s['overlapped_io_seconds'] / busy:.0%} of it)" if busy > 0 else ""
     lines.append(f"I/O in flight {busy:.3f} s; waited {s['wait_seconds']:.3f} s; "
@@ -307,14 +303,14 @@ def text(s: dict, top: int = 5) -> str:
                      f"{len(s['files'])}):")
         for f in s["files"][:top]:
             lines.append(f"  {printable(os.path.basename(f['file'])):40s} "
-                         f"{_mib(f['bytes']):>12s}  {f['io_seconds']:8.3f} s in I/O  "
+                         f"{fmt_bytes(f['bytes'], 'MiB'):>12s}  {f['io_seconds']:8.3f} s in I/O  "
                          f"({f['reads']} reads, {f['writes']} writes)")
         by_time = sorted(s["files"], key=lambda f: -f["io_seconds"])[:top]
         if [f["file"] for f in by_time] != [f["file"] for f in s["files"][:top]]:
             lines.append("busiest files by time in I/O:")
             for f in by_time:
                 lines.append(f"  {printable(os.path.basename(f['file'])):40s} "
-                             f"{f['io_seconds']:8.3f} s  {_mib(f['bytes']):>12s}")
+                             f"{f['io_seconds']:8.3f} s  {fmt_bytes(f['bytes'], 'MiB'):>12s}")
     if s["pipelines"]:
         shown = max(top, 20)
         lines.append("pipelines:" if len(s["pipelines"]) <= shown else
@@ -322,7 +318,7 @@ def text(s: dict, top: int = 5) -> str:
         for p in s["pipelines"][:shown]:
             eff = "-" if p["efficiency"] is None else f"{p['efficiency']:.0%}"
             lines.append(f"  {printable(p['pipeline']):40s} {p['ops']:6d} ops "
-                         f"{_mib(p['bytes']):>12s}  io {p['io_seconds']:.3f} s  waited "
+                         f"{fmt_bytes(p['bytes'], 'MiB'):>12s}  io {p['io_seconds']:.3f} s  waited "
                          f"{p['wait_seconds']:.3f} s  overlap {eff}")
     if s.get("bad_events"):
         lines.append(f"{s['bad_events']} bad event{'s' if s['bad_events'] != 1 else ''} "
@@ -433,6 +429,7 @@ def draw(events: list[dict], out: str | os.PathLike, max_tracks: int = MAX_TRACK
 # ---------------------------------------------------------------- command line
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``chemio trace``."""
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="trace file(s) written by CHEMIO_TRACE (all ranks' files together)")
     p.add_argument("-o", "--output", metavar="OUT",
@@ -448,7 +445,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``chemio trace``: print the summary, draw the picture when ``-o`` is given."""
     max_events, max_tracks = max(1, args.max_events), max(1, args.max_tracks)
     trace = read(args.files, max_events)
@@ -476,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     try:
-        return cmd_trace(args)
+        return run(args)
     except ChemIOError as e:
         print(f"chemio trace: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""Smoke test of the stress run (``benchmarks/bench_stress.py``, issue 11).
+"""Smoke test of the stress run (``benchmarks/bench_stress/``, issue 11).
 
 A short real run at P = 2 under the mpich wheel's ``mpiexec``: every kind of operation on
 ``local``, ``shm`` and ``auto`` runs and nothing is lost, wrong or raised. Then the checker is
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "bench_stress.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_stress")     # a package run as a script
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_stress  # noqa: E402

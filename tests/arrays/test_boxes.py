@@ -19,7 +19,6 @@ import itertools
 import operator
 import pickle
 import threading
-import tracemalloc
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -33,26 +32,11 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO,
                                 "benchmarks"))
-from bench_collective import old_contested_objects  # noqa: E402 - the reference model
+from bench_collective import old_contested_objects, old_first_pair  # noqa: E402 - the models
+from common import peak_mib  # noqa: E402
 
-MiB = 1 << 20
 PROPERTY = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-# ---------------------------------------------------------------- reference models
-
-def old_first_pair(boxes: np.ndarray) -> tuple[int, int] | None:
-    """The pair the old ``_check_disjoint`` named (its P x P x ndim broadcast)."""
-    lo, hi = boxes[:, :, 0], boxes[:, :, 1]
-    full = np.asarray((hi > lo).all(axis=1))
-    meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
-    meet &= full[:, None] & full[None, :]
-    np.fill_diagonal(meet, False)
-    if meet.any():
-        i, j = (int(k) for k in np.argwhere(meet)[0])
-        return i, j
-    return None
 
 
 # ---------------------------------------------------------------- inputs
@@ -313,17 +297,6 @@ class _OthersComm(Comm):
         return min(value, self.others_min)
 
 
-def _peak_mib(fn) -> float:
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        fn()
-        return (tracemalloc.get_traced_memory()[1] - before) / MiB
-    finally:
-        tracemalloc.stop()
-
-
 def test_check_disjoint_at_16k_ranks_stays_small():
     """A 2-d process grid of 16,384 ranks: the old check allocated ~1 GiB per rank here."""
     P = 1 << 14
@@ -334,7 +307,7 @@ def test_check_disjoint_at_16k_ranks_stays_small():
     for me in (0, P // 2, P - 1):
         check = functools.partial(_check_disjoint, _OthersComm(me, gathered, P * P),
                                   regions[me], "w")
-        assert _peak_mib(check) < 8
+        assert peak_mib(check) < 8
     # rank 9000 reaches into rank 5's block: every rank names (5, 9000)
     bad = list(regions)
     bad[9000] = (slice(0, 41), slice(200, 210))
@@ -352,10 +325,10 @@ def test_check_disjoint_at_16k_ranks_stays_small():
 def test_zarr_plan_at_16k_ranks_stays_small():
     P = 1 << 14
     aligned = [((64 * r, 0), (64 * (r + 1), 256)) for r in range(P)]
-    assert _peak_mib(lambda: X.contested_objects(aligned, (64, 256), (64 * P, 256), 8)) < 8
+    assert peak_mib(lambda: X.contested_objects(aligned, (64, 256), (64 * P, 256), 8)) < 8
     plan: list = []
     contested = [((10 * r, 0), (10 * (r + 1), 256)) for r in range(P)]
-    peak = _peak_mib(lambda: plan.extend(
+    peak = peak_mib(lambda: plan.extend(
         X.contested_objects(contested, (16, 256), (10 * P, 256), 8)))
     assert len(plan) == 10 * P // 16        # a multiple of 10 cuts every 16-row object
     assert peak < 64

@@ -142,12 +142,33 @@ def test_runner_isolates_failures_and_rejects_bad_input(tmp_path):
                                                                     "malformed"]
 
 
+def test_runner_runs_benchmark_packages(tmp_path):
+    """A ``bench_<name>/`` package is a benchmark as a ``bench_<name>.py`` file is; its
+    modules import each other; a folder without ``__init__.py`` is none."""
+    bdir = tmp_path / "benches"
+    (bdir / "bench_pkg").mkdir(parents=True)
+    (bdir / "bench_notes").mkdir()
+    (bdir / "bench_pkg" / "model.py").write_text("from common import row\nCASE = 'from a module'\n")
+    (bdir / "bench_pkg" / "__init__.py").write_text(
+        "from .model import CASE, row\n\ndef run(quick, workdir):\n"
+        "    return [row(CASE, 'x/s', 1.0)]\n")
+    listing = _run(tmp_path, "--dir", str(bdir), "--list")
+    assert listing.returncode == 0
+    assert [ln.split() for ln in listing.stdout.splitlines()] == [["pkg", str(bdir / "bench_pkg")]]
+    out = tmp_path / "out"
+    proc = _run(tmp_path, "--dir", str(bdir), "--only", "pkg", "--out", str(out),
+                "--workdir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["benchmark"], r["case"]) for r in rows] == [("pkg", "from a module")]
+
+
 def test_runner_main_is_callable_in_process(tmp_path, capsys):
     import runner
     assert runner.main(["--only", "nosuch", "--out", str(tmp_path / "o")]) == 2
     assert runner.main(["--help"]) == 0
     assert "--quick" in capsys.readouterr().out
-    assert "eaf" in runner.discover()
+    assert "eaf" in runner.discover() and runner.discover()["stress"].endswith("bench_stress")
 
 
 def test_row_and_verdict():

@@ -70,6 +70,26 @@ def chemio(*args: str, env: dict | None = None) -> dict:
             "env": env or dict(os.environ)}
 
 
+def each_argument(body: str) -> str:
+    """A script that runs ``body`` for every command-line argument ``arg`` and prints
+    ``{arg: [outcome, message]}`` as JSON: the ``result`` that ``body`` sets, or when it
+    raises, ``"chemio"`` for a ``ChemIOError`` (else the exception's type) and its text."""
+    return f"""
+import json, os, sys
+import chemio_py as cio
+from chemio_py.runtime import config
+out = {{}}
+for arg in sys.argv[1:]:
+    try:
+{textwrap.indent(textwrap.dedent(body).strip(), " " * 8)}
+        out[arg] = result
+    except BaseException as e:
+        kind = "chemio" if isinstance(e, cio.ChemIOError) else type(e).__name__
+        out[arg] = [kind, f"{{type(e).__name__}}: {{e}}"[:600]]
+print(json.dumps(out))
+"""
+
+
 def assert_no_raw_error(text: str, what: str) -> None:
     for word in RAW:
         assert word not in text, f"{what}: {word} in\n{text[-3000:]}"
@@ -87,19 +107,10 @@ def corpus_dirs(base, corpus: list[Hostile]) -> dict[str, str]:
 
 # ---------------------------------------------------------------- DiskArray metadata
 
-OPEN_ALL = """
-import json, sys
-import chemio_py as cio
-out = {}
-for data in sys.argv[1:]:
-    try:
-        cio.DiskArray.open(data).close()
-        out[data] = ["opened", ""]
-    except BaseException as e:
-        kind = "chemio" if isinstance(e, cio.ChemIOError) else type(e).__name__
-        out[data] = [kind, f"{type(e).__name__}: {e}"[:600]]
-print(json.dumps(out))
-"""
+OPEN_ALL = each_argument("""
+    cio.DiskArray.open(arg).close()
+    result = ["opened", ""]
+""")
 
 
 def test_diskarray_metadata_corpus(tmp_path):
@@ -125,21 +136,12 @@ def test_diskarray_metadata_corpus(tmp_path):
 
 # ---------------------------------------------------------------- RecordFile index headers
 
-REPLAY_ALL = """
-import json, sys
-import chemio_py as cio
-out = {}
-for d in sys.argv[1:]:
-    try:
-        with cio.RecordFile("h", "r", dir=d) as log:
-            for rec in log.replay():
-                pass
-        out[d] = ["replayed", ""]
-    except BaseException as e:
-        kind = "chemio" if isinstance(e, cio.ChemIOError) else type(e).__name__
-        out[d] = [kind, f"{type(e).__name__}: {e}"[:600]]
-print(json.dumps(out))
-"""
+REPLAY_ALL = each_argument("""
+    with cio.RecordFile("h", "r", dir=arg) as log:
+        for rec in log.replay():
+            pass
+    result = ["replayed", ""]
+""")
 
 
 def _record_file(d: str, *arrays) -> str:
@@ -173,20 +175,10 @@ def test_record_index_header_corpus(tmp_path):
 
 # ---------------------------------------------------------------- chemio.toml
 
-LOOKUP_ALL = """
-import json, os, sys
-from chemio_py.runtime import config
-from chemio_py.errors import ChemIOError
-out = {}
-for p in sys.argv[1:]:
-    os.environ["CHEMIO_CONFIG"] = p
-    try:
-        out[p] = ["value", repr(config.get("io_threads"))]
-    except BaseException as e:
-        kind = "chemio" if isinstance(e, ChemIOError) else type(e).__name__
-        out[p] = [kind, f"{type(e).__name__}: {e}"[:600]]
-print(json.dumps(out))
-"""
+LOOKUP_ALL = each_argument("""
+    os.environ["CHEMIO_CONFIG"] = arg
+    result = ["value", repr(config.get("io_threads"))]
+""")
 
 
 def test_config_file_corpus(tmp_path):
