@@ -40,22 +40,6 @@ except (ValueError, OSError, AttributeError):  # pragma: no cover
 Region = tuple  # tuple of slice(start, stop) with step 1, inside the shape
 
 
-class Part(tuple):
-    """A region cut from a larger one by ``Layout.split``: a plain region (tuple of slices)
-    that also knows the region it was cut from, ``whole``, so that a store moving one part
-    can plan for the whole request (e.g. where its contiguous byte ranges end)."""
-
-    whole: Region
-
-    def __new__(cls, region: Region, whole: Region) -> "Part":
-        part = super().__new__(cls, region)
-        part.whole = tuple(whole)
-        return part
-
-    def __reduce__(self) -> tuple:
-        return Part, (tuple(self), self.whole)
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -212,6 +196,27 @@ class Layout:
                              tuple(g[3] - g[2] for g in combo), tuple(cs), tuple(where)))
         return out
 
+    def copy_blocks(self, region: Region, stored: np.ndarray, dtype: np.dtype,
+                    arr: np.ndarray, write: bool, blocks: Sequence[Block] | None = None
+                    ) -> None:
+        """Copy the non-empty ``region`` between ``stored`` (the whole file in memory,
+        bytes, e.g. a mapping; elements of ``dtype``) and ``arr`` (the region's shape, any
+        strides): one NumPy copy per block (``blocks``, else ``self.blocks(region)``), so
+        time and memory do not grow with the number of chunks. ``write`` copies into
+        ``stored``; element types are converted as by assignment."""
+        ms = arr.strides
+        gms = tuple(c * t for c, t in zip(self.chunks, ms))
+        for b in blocks if blocks is not None else self.blocks(region):
+            shape = (*b.counts, *b.shape)
+            disk = np.ndarray(shape, dtype, stored, b.first, (*b.gstrides, *b.cstrides))
+            at: tuple = (*(slice(w, None) for w in b.where), ...)
+            mem = np.lib.stride_tricks.as_strided(arr[at], shape, (*gms, *ms),
+                                                  writeable=not write)
+            if write:
+                np.copyto(disk, mem, casting="unsafe")
+            else:
+                np.copyto(mem, disk, casting="unsafe")
+
     def _seg_plan(self, b: Block, mem_strides: Sequence[int]) -> tuple:
         """``(outer dims, their disk strides, their memory strides, run length, memory
         offset of the block)``: the block's segments are the points of the outer dims, each
@@ -331,8 +336,8 @@ class Layout:
         Cuts fall on chunk boundaries, leading axes first (so runs of chunks that follow
         each other on disk stay together). A single chunk piece larger than twice
         ``task_bytes`` is cut into bands along its first long axis only when
-        ``within_chunks`` (stores that write bytes, not whole chunks). The sub-regions are
-        ``Part``s whose ``whole`` is ``region``.
+        ``within_chunks`` (stores that write bytes, not whole chunks). A store that plans
+        for the whole section gets it beside each sub-region (``PartRead.read_part``).
         """
         if any(s.stop <= s.start for s in region):
             return []
@@ -368,8 +373,7 @@ class Layout:
                 for a in range(s.start, s.stop, step):
                     out.append(r[:j] + (slice(a, min(a + step, s.stop)),) + r[j + 1:])
         out.sort(key=lambda r: tuple(s.start for s in r))
-        whole = tuple(region)
-        return [Part(r, whole) for r in out]
+        return out
 
     # ------------------------------------------------------------ byte runs
     def extents(self, region: Region, limit: int = BATCH) -> tuple[np.ndarray, np.ndarray]:

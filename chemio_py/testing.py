@@ -14,7 +14,9 @@ from several threads) and the array contract (``ArrayStoreTests``: regions again
 model, partial chunks, zero fill, reopen, size checks), then the user API end to end on
 the backend (ExclusiveFile, SharedFile, DiskArray, RecordFile) and the removal of what the
 backend made, files or directories. A backend that holds only byte files or only arrays
-subclasses the one suite it serves. ``mpi_ranks`` > 1 also runs a SharedFile and a
+subclasses the one suite it serves. Each optional capability of ``backends.Capabilities``
+has a ``test_capability_*`` case, run when ``backends.capabilities(store)`` says the store
+offers it and skipped otherwise. ``mpi_ranks`` > 1 also runs a SharedFile and a
 DiskArray ``write_all`` under a real ``mpiexec`` (mpi4py and an MPI launcher needed).
 
 Every test works in pytest's ``tmp_path`` (and the job scratch, cleaned by the API) and
@@ -231,6 +233,75 @@ class ByteStoreTests(_Base):
         """, tmp_path, self.mpi_ranks)
 
 
+    # ---------------------------------------------------- optional capabilities (gated)
+    def caps_of_bytes(self, tmp_path, data: bytes):
+        """A store holding ``data`` and its ``backends.capabilities``."""
+        st = self.open_bytes(tmp_path / "cap", "w+")
+        st.pwrite(0, data)
+        return st, backends.capabilities(st)
+
+    def test_capability_native_async(self, tmp_path):
+        data = bytes(range(256)) * 32
+        st, caps = self.caps_of_bytes(tmp_path, data)
+        try:
+            _offers(caps, "native_read", "native_write")
+            req = caps.native_write(0, np.frombuffer(data, np.uint8), lambda n, t0, t1: n)
+            if req is not None:
+                assert req.wait(60) == len(data)
+            buf = _aligned(len(data))
+            req = caps.native_read(0, buf, lambda n, t0, t1: n)
+            if req is None:
+                pytest.skip("native_read: this call is not eligible (the pool would run it)")
+            assert not req.cancel()                 # under way from the start
+            assert req.wait(60) == len(data) and bytes(buf) == data
+        finally:
+            st.close()
+
+    def test_capability_native_async_many(self, tmp_path):
+        st, caps = self.caps_of_bytes(tmp_path, bytes(4096))
+        try:
+            _offers(caps, "native_read_many", "native_write_many")
+        finally:
+            st.close()
+
+    def test_capability_read_nowait(self, tmp_path):
+        data = b"nowait" * 1000
+        st, caps = self.caps_of_bytes(tmp_path, data)
+        try:
+            _offers(caps, "read_nowait")
+            out = bytearray(len(data))
+            n = caps.read_nowait(0, out)
+            assert 0 <= n <= len(data) and out[:n] == data[:n]
+        finally:
+            st.close()
+
+    def test_capability_once_io(self, tmp_path):
+        st, caps = self.caps_of_bytes(tmp_path, b"once" * 1000)
+        try:
+            _offers(caps, "pread_once", "pwrite_once")
+            if caps.pwrite_once((memoryview(b"ONCE"),), 4) != 4:
+                st.pwrite(4, b"ONCE")               # a short count: the caller completes it
+            out = bytearray(8)
+            if caps.pread_once((out,), 0) != 8:
+                st.pread(0, out)
+            assert bytes(out) == b"onceONCE"
+        finally:
+            st.close()
+
+    def test_capability_sync_all_and_close_local(self, tmp_path):
+        st, caps = self.caps_of_bytes(tmp_path, b"x" * 100)
+        try:
+            _offers(caps, "sync_all", "close_local", any_of=True)
+            if caps.sync_all is not None:
+                caps.sync_all()                     # opened without comm: this process alone
+            out = bytearray(100)
+            assert st.pread(0, out) == 100 and out == b"x" * 100
+            if caps.close_local is not None:
+                caps.close_local()                  # never collective; close() after is fine
+        finally:
+            st.close()
+
+
 class ArrayStoreTests(_Base):
     """The ArrayStore contract (``backends.ArrayStore``) and DiskArrays on top of it."""
 
@@ -349,6 +420,105 @@ class ArrayStoreTests(_Base):
         """, tmp_path, ranks)
 
 
+    # ---------------------------------------------------- optional capabilities (gated)
+    def caps_of_array(self, tmp_path, model):
+        """A store holding ``model`` (chunks 8 x 16) and its ``backends.capabilities``."""
+        st = self.open_array(tmp_path / "cap", "w+", model.shape, model.dtype, (8, 16))
+        st.write(tuple(slice(0, n) for n in model.shape), model)
+        return st, backends.capabilities(st)
+
+    def test_capability_cached_and_part_reads(self, tmp_path):
+        model = np.arange(32 * 48, dtype="f8").reshape(32, 48)
+        st, caps = self.caps_of_array(tmp_path, model)
+        try:
+            _offers(caps, "read_cached", "read_part", any_of=True)
+            region, out = (slice(3, 29), slice(5, 40)), np.zeros((26, 35))
+            if caps.read_cached is not None and caps.read_cached(region, out):
+                assert np.array_equal(out, model[region])
+            if caps.read_part is not None:
+                out[...] = 0
+                caps.read_part(region, out, (slice(0, 32), slice(0, 48)))
+                assert np.array_equal(out, model[region])
+        finally:
+            st.close()
+
+    def test_capability_check_write_and_evict(self, tmp_path):
+        model = np.ones((32, 48))
+        st, caps = self.caps_of_array(tmp_path, model)
+        try:
+            _offers(caps, "check_write", "evict", any_of=True)
+            if caps.check_write is not None:
+                caps.check_write((slice(0, 32), slice(0, 48)))   # one writer, whole array
+            if caps.evict is not None:
+                caps.evict()
+                out = np.zeros((32, 48))
+                st.read((slice(0, 32), slice(0, 48)), out)
+                assert np.array_equal(out, model)
+        finally:
+            st.close()
+
+    def test_capability_streams_and_compression(self, tmp_path):
+        st, caps = self.caps_of_array(tmp_path, np.zeros((32, 48)))
+        try:
+            _offers(caps, "write_streams", "read_streams", "compression", any_of=True)
+            for n in (caps.write_streams, caps.read_streams):
+                assert n is None or (isinstance(n, int) and n > 0)
+            assert caps.compression is None or isinstance(caps.compression, str)
+        finally:
+            st.close()
+
+    def test_capability_collective_io_alone(self, tmp_path):
+        model = np.arange(32 * 48, dtype="f8").reshape(32, 48)
+        st, caps = self.caps_of_array(tmp_path, np.zeros((32, 48)))
+        try:
+            _offers(caps, "collective")
+            whole = (slice(0, 32), slice(0, 48))
+            st.write_all(whole, model, None)        # comm None: this process alone
+            out = np.zeros((32, 48))
+            st.read_all(whole, out, None)
+            assert np.array_equal(out, model)
+        finally:
+            st.close()
+
+    def test_capability_byte_addressable(self, tmp_path):
+        st, caps = self.caps_of_array(tmp_path, np.zeros((32, 48)))
+        try:
+            _offers(caps, "byte_addressable")
+            # writers of disjoint rows of one chunk, at once, lose nothing
+            rows = [threading.Thread(target=st.write, args=((slice(k, k + 1), slice(0, 16)),
+                                                            np.full((1, 16), k + 1.0)))
+                    for k in range(8)]
+            for t in rows:
+                t.start()
+            for t in rows:
+                t.join()
+            out = np.zeros((8, 16))
+            st.read((slice(0, 8), slice(0, 16)), out)
+            assert np.array_equal(out[:, 0], np.arange(1.0, 9.0))
+        finally:
+            st.close()
+
+    def test_capability_native_region_dask_close_local(self, tmp_path):
+        model = np.arange(32 * 48, dtype="f8").reshape(32, 48)
+        st, caps = self.caps_of_array(tmp_path, model)
+        try:
+            _offers(caps, "native_read_region", "as_dask", "close_local", any_of=True)
+            if caps.native_read_region is not None:
+                out = _aligned(model.nbytes).view("f8").reshape(model.shape)
+                req = caps.native_read_region((slice(0, 32), slice(0, 48)), out,
+                                              lambda n, t0, t1: out)
+                if req is not None:
+                    assert np.array_equal(req.wait(60), model)
+            if caps.as_dask is not None:
+                pytest.importorskip("dask")
+                st.flush()
+                assert np.array_equal(np.asarray(caps.as_dask()), model)
+            if caps.close_local is not None:
+                caps.close_local()
+        finally:
+            st.close()
+
+
 class BackendTests(ByteStoreTests, ArrayStoreTests):
     """Both contracts: for a backend that holds byte files and DiskArrays."""
 
@@ -364,3 +534,19 @@ def _mpirun(n: int, body: str, tmp_path, ranks: int) -> None:
     p = subprocess.run([launcher, "-n", str(n), sys.executable, "-m", "mpi4py", str(script)],
                        capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert p.returncode == 0 and p.stdout.count("ok") == ranks, (p.stdout, p.stderr[-3000:])
+
+
+def _offers(caps: backends.Capabilities, *names: str, any_of: bool = False) -> None:
+    """Skip the calling case unless the store offers the capabilities ``names`` (all of
+    them, or with ``any_of`` at least one)."""
+    have = [n for n in names if getattr(caps, n) not in (None, False)]
+    if not have or (not any_of and len(have) < len(names)):
+        missing = ", ".join(n for n in names if n not in have)
+        pytest.skip(f"the store does not offer {missing} (backends.capabilities)")
+
+
+def _aligned(n: int, align: int = 4096) -> np.ndarray:
+    """``n`` zero bytes at an address that is a multiple of ``align`` (O_DIRECT's rule)."""
+    raw = np.zeros(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n]

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.ctypeslib  # noqa: F401 - imported lazily, it races between pool threads
 
 from chemio_py.backends import posix
+from chemio_py.backends.contract import Region
 from chemio_py.backends.local import linux_aio
 from chemio_py.backends.local.mappings import ReadMap, live_maps, drop_map, map_cap, maps_lock
 from chemio_py.backends.posix import (
@@ -495,13 +496,16 @@ class LocalArrayStore(_PosixFile):
                 "the data file is shorter than the array: it was truncated behind chemio's back"
             raise StorageError(e.errno or errno.EIO, self.path, first, total, op, hint) from e
 
-    def _move(self, write: bool, region: Any, arr: np.ndarray) -> None:
+    def _move(self, write: bool, region: Region, arr: np.ndarray,
+              section: Region | None = None) -> None:
+        """Move ``region`` between the file and ``arr``; a read plans for ``section``, the
+        request ``region`` was cut from (itself when None)."""
         if arr.size == 0:
             return
         base = byte_span(arr, writable=not write)
         if base is None:                          # odd strides: go through a C-ordered copy
             tmp = np.ascontiguousarray(arr)
-            self._move(write, region, tmp)
+            self._move(write, region, tmp, section)
             if not write:
                 arr[...] = tmp
             return
@@ -518,7 +522,7 @@ class LocalArrayStore(_PosixFile):
                     exact = None
                 else:
                     self._prefetch_runs(runs)
-                    exact = self._exact_runs(region, runs)
+                    exact = self._exact_runs(region if section is None else section, runs)
                 for i, (off, moffs, lens) in enumerate(runs):
                     views = [base[m:m + n] if m >= 0 else trash[:n]
                              for m, n in zip(moffs, lens)]
@@ -561,12 +565,12 @@ class LocalArrayStore(_PosixFile):
     _readahead: int | None = None           # the device's read-ahead window; 0: unknown
     EXACT_WINDOWS = 4                       # stretches up to this many windows: exact
 
-    def _exact_runs(self, region: Any, runs: list) -> list | None:
-        """Per run of a read, whether to read it without read-ahead; None: none."""
+    def _exact_runs(self, whole: Region, runs: list) -> list | None:
+        """Per run of a read of a task of the section ``whole``, whether to read it without
+        read-ahead; None: none."""
         ra = self._readahead
         if ra is None:
             ra = self._readahead = self._readahead_bytes(self._fd)
-        whole = getattr(region, "whole", region)
         if not ra or not runs:
             return None
         key = ("extents",) + tuple((s.start, s.stop) for s in whole)
@@ -673,15 +677,21 @@ class LocalArrayStore(_PosixFile):
             except OSError:
                 return
 
-    def read(self, region: Any, out: np.ndarray) -> np.ndarray:
+    def read(self, region: Region, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` (the region's shape, this array's dtype) from the file; returns it.
 
         When every page the region needs is in the page cache, the bytes are copied from
         a read-only mapping of the file (``read_cached``); otherwise with ``preadv``.
         """
+        return self.read_part(region, out, region)
+
+    def read_part(self, region: Region, out: np.ndarray, section: Region) -> np.ndarray:
+        """``read`` of a task cut from ``section`` (``PartRead``): the short stretches of
+        the file the whole section touches, but its last, are read without read-ahead,
+        which would fetch the gaps between them too."""
         self._check(region, out)
         if out.size and not self.read_cached(region, out):
-            self._move(False, region, out)
+            self._move(False, region, out, section)
         return out
 
     def write(self, region: Any, data: np.ndarray) -> None:
@@ -745,22 +755,14 @@ class LocalArrayStore(_PosixFile):
             if m.dead and not m.pins:
                 m.release()
 
-    def _blocks(self, region: Any) -> list[tuple]:
-        """The region as at most 3**ndim blocks of chunk pieces that sit on a regular grid
-        in the file (same extent, same slice of each chunk): per block ``(offset of its
-        first element, grid counts, grid byte strides, piece shape, in-chunk byte strides,
-        start of the block in the region)``. One strided copy then moves a whole block."""
-        return [(b.first, list(b.counts), list(b.gstrides), list(b.shape), list(b.cstrides),
-                 list(b.where)) for b in self.layout.blocks(region)]
-
     def _plan(self, region: Any) -> tuple:
-        """``(blocks, page ranges, pages)`` of a region: its blocks (``_blocks``) and the
+        """``(blocks, page ranges, pages)`` of a region: its blocks (``Layout.blocks``) and the
         file's pages its pieces touch as sorted disjoint ``(first, end)`` ranges. Kept for
         the last few regions (a hot section is read again and again)."""
         key = tuple((s.start, s.stop) for s in region)
         plan = self._plans.get(key)
         if plan is None:
-            blocks = self._blocks(region)
+            blocks = self.layout.blocks(region)
             firsts, lasts = self.layout.spans(region, mmap.PAGESIZE, 0)
             ranges = list(zip(firsts.tolist(), lasts.tolist()))
             plan = (blocks, ranges, int((lasts - firsts).sum()))
@@ -778,9 +780,6 @@ class LocalArrayStore(_PosixFile):
         """
         if out.dtype != self.dtype or not mincore_ok():
             return None
-        span = byte_span(out, writable=True)
-        if span is None:
-            return None
         m = self._pin_map()
         if m is None:
             return None
@@ -793,14 +792,8 @@ class LocalArrayStore(_PosixFile):
                 return False
             if not posix.sigbus_guard_arm():
                 return None
-            ost, dt, base = out.strides, self.dtype, m.base
-            assert base is not None                 # pinned: not released
-            for first, counts, gstr, pshape, cs, where in blocks:
-                src = np.ndarray((*counts, *pshape), dt, base, first, (*gstr, *cs))
-                dst = np.ndarray((*counts, *pshape), dt, span,
-                                 sum(w * t for w, t in zip(where, ost)),
-                                 (*(k * t for k, t in zip(pshape, ost)), *ost))
-                np.copyto(dst, src)
+            assert m.base is not None               # pinned: not released
+            self.layout.copy_blocks(region, m.base, self.dtype, out, False, blocks)
             if m.guard.poisoned:                # the file shrank under the copy
                 with maps_lock:
                     if live_maps.get(id(self)) is m:

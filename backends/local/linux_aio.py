@@ -57,8 +57,6 @@ WAITER_WAIT_NS = 20_000_000    # a waiter's longest single io_getevents (it then
 GRACE = 0.001              # seconds the reaper leaves the token alone after a wait ends
 TOKEN_POLL = 0.0002        # a waiter without the token looks again this often
 _TRACK = "chemio-aio"      # the thread name completions are delivered under (trace track)
-# Request states (chemio_py.runtime.requests): a native request is under way from the start
-_RUNNING, _DONE = requests.RUNNING, requests.DONE
 
 
 class _IOCB(ctypes.Structure):
@@ -87,11 +85,11 @@ class _Event(ctypes.Structure):
                 ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
 
 
-class _Req(requests.Request):
+class _Req(requests.NativeRequest):
     """A request of the engine: one transfer (``results`` None) or a group of them.
 
     It is under way in the kernel from the start, so it cannot be cancelled; ``wait()``
-    reaps completions in the waiting thread (see the module docstring).
+    reaps completions in the waiting thread (``progress``; see the module docstring).
     """
 
     __slots__ = ("_eng", "_keep", "_then", "_t0", "_results", "_left")
@@ -99,21 +97,13 @@ class _Req(requests.Request):
     def __init__(self, eng: "Engine", stats: Any, keep: Any, then: Callable, n: int,
                  group: bool):
         super().__init__(stats)
-        self._state = _RUNNING
         self._eng, self._keep, self._then = eng, keep, then
         self._t0 = time.perf_counter()
         self._results = [0] * n if group else None
         self._left = n                      # transfers not reaped yet
 
-    def _block(self, timeout: float | None) -> None:
-        if self._state >= _DONE:
-            return
-        t0 = time.perf_counter()
-        done = self._eng._wait(self, None if timeout is None else t0 + max(0.0, timeout))
-        if self._stats is not None:
-            self._stats.waited(time.perf_counter() - t0)
-        if not done:
-            raise TimeoutError(f"request not complete after {timeout} s")
+    def progress(self, deadline: float | None) -> bool:
+        return self._eng._wait(self, deadline)
 
 
 class Engine:
@@ -360,33 +350,26 @@ class Engine:
         waiting = self._waiting
         try:
             waiting.append(None)            # list append/pop: atomic, no lock needed
-            while req._state < _DONE:
+            while not req.done():
                 n = requests.shielded(self._wait_step, req, deadline)
                 if n is None:               # another thread reaps: for us too, or it stops
-                    if req._lock.acquire(timeout=TOKEN_POLL):
-                        req._lock.release()
+                    req.settle(TOKEN_POLL)
                 elif n < 0 and n != -errno.EINTR:
                     break                   # no context here (a forked child): plain wait
                 if deadline is not None and time.perf_counter() >= deadline:
-                    return req._state >= _DONE
+                    return req.done()
         finally:
             waiting.pop()
             self._last_wait = time.perf_counter()
-        while req._state < _DONE:          # another thread reaps (or no context here)
-            left = requests.POLL if deadline is None else min(
-                requests.POLL, deadline - time.perf_counter())
-            if left < 0:
-                break
-            if req._lock.acquire(timeout=left):
-                req._lock.release()
-        return req._state >= _DONE
+        # another thread reaps (or no context here)
+        return req.settle(None if deadline is None else deadline - time.perf_counter())
 
     def _wait_step(self, req: _Req, deadline: float | None) -> int | None:
         """Reap once if no other thread does (else None)."""
         if not self._token.acquire(False):
             return None
         try:
-            if req._state >= _DONE:
+            if req.done():
                 return 0
             # each of its transfers not reaped yet will complete: wait for as many
             return self._reap(min(req._left, BATCH), self._timeout(deadline))

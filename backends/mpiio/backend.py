@@ -255,7 +255,8 @@ class _Op:
 
     __slots__ = ("store", "req", "write", "then", "t0", "left", "count", "error")
 
-    def __init__(self, store: Any, req: Any, write: bool, then: Any):
+    def __init__(self, store: MpiioByteStore, req: requests.NativeRequest, write: bool,
+                 then: Any):
         self.store, self.req, self.write, self.then = store, req, write, then
         self.t0 = time.perf_counter()
         self.left = 0
@@ -288,9 +289,9 @@ class _Progress:
         self._live: list[_Piece] = []
         self._thread: threading.Thread | None = None
 
-    def submit(self, store: Any, write: bool, offset: int, mv: memoryview, then: Any,
+    def submit(self, store: MpiioByteStore, write: bool, offset: int, mv: memoryview, then: Any,
                stats: Any) -> Any:
-        req = requests.Request(stats)
+        req = requests.NativeRequest(stats)         # completed by the progress thread
         op = _Op(store, req, write, then)
         pieces = [_Piece(op, offset + a, mv[a:a + PIECE]) for a in range(0, len(mv), PIECE)]
         if not pieces:                               # zero bytes
@@ -383,7 +384,7 @@ class _Progress:
                 return
             op.req.complete_with(op.then, op.count, op.t0, t1)
 
-    def drain(self, store: Any) -> None:
+    def drain(self, store: MpiioByteStore) -> None:
         """Wait until no request of ``store`` is in flight."""
         if self._thread is threading.current_thread():
             return

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from chemio_py.backends.contract import ArrayStore, ByteStore
 from chemio_py.backends.posix import byte_span, bytes_view, fallocate_keep_size, require_regular
 from chemio_py.backends.shm.budget import (
     NO_ROOM,
@@ -339,7 +340,8 @@ class ShmArrayStore:
     """A DiskArray's data in RAM, in the raw grid format of ``chemio_py.backends.grid``.
 
     Each chunk is a C-ordered block of the mapping, so a region moves with one NumPy copy
-    per chunk it meets, straight between the mapping and the caller's (possibly strided)
+    per block of like chunk pieces (``Layout.copy_blocks``: at most 3**ndim, whatever the
+    number of chunks), straight between the mapping and the caller's (possibly strided)
     array. The whole array is allocated when it is created (budget checked), so no access
     can fault. A write touches only the region's bytes (``byte_addressable``); thread-safe
     for disjoint regions. ``read_all`` / ``write_all`` are the independent calls.
@@ -370,7 +372,7 @@ class ShmArrayStore:
             raise ValueError(f"buffer shape {arr.shape} does not match region {want}")
         if arr.size == 0:
             return
-        lay, isz, seg = self.layout, self.dtype.itemsize, self._seg
+        lay, seg = self.layout, self._seg
         if seg._holes and not write:
             self._read_sparse(region, arr)
             return
@@ -385,19 +387,7 @@ class ShmArrayStore:
                                    "write" if write else "read",
                                    hint=f"the segment has {size} bytes, the array needs "
                                         f"{lay.nbytes}: it was truncated behind chemio's back")
-            for p in lay.pieces(region):
-                n = 1
-                for e in p.extent:
-                    n *= e
-                chunk = w.view[p.offset:p.offset + n * isz].view(self.dtype).reshape(p.extent)
-                inner = tuple(slice(a - i * c, a - i * c + k) for a, i, c, k
-                              in zip(p.start, p.index, lay.chunks, p.shape))
-                mine = tuple(slice(a - r.start, a - r.start + k) for a, r, k
-                             in zip(p.start, region, p.shape))
-                if write:
-                    chunk[inner] = arr[mine]
-                else:
-                    arr[mine] = chunk[inner]
+            lay.copy_blocks(region, w.view, self.dtype, arr, write)
         finally:
             seg._gate.leave()
 
@@ -573,7 +563,8 @@ def open_segment(path: str, mode: str, perms: int = 0o600) -> tuple[int, bool]:
     return fd, created
 
 
-def _discard(store: Any, fd: int, path: str, created: bool) -> None:
+def _discard(store: ByteStore | ArrayStore | None, fd: int, path: str,
+             created: bool) -> None:
     """Undo a half-made open: close (and unmap), and remove a file we created."""
     try:
         if store is not None:

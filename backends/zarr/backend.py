@@ -865,7 +865,7 @@ class ZarrArrayStore:
                 if p.index not in skip:
                     self.store_object(p.index, [(local, a)], p.shape == p.extent)
         if len(subs) == 1:
-            req = requests.Request()
+            req = requests.NativeRequest()          # completed here, in the caller
             try:
                 run(subs[0])
                 req.set_result(None)

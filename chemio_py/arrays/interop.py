@@ -90,7 +90,7 @@ def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
     # A store that others could read without chemio (``as_dask``: ``da.from_zarr``) is
     # still read through chemio: zarr-python's decoders are not bounded.
     source: Any = d
-    if getattr(getattr(d, "_store", None), "as_dask", None) is not None:
+    if d.capabilities.as_dask is not None:
         source = _PathReader(d)
     name = f"diskarray-{d.name}-{_uuid.uuid4().hex[:12]}"
     return da.from_array(source, chunks=chunks, name=name, lock=False, fancy=False,

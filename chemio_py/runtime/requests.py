@@ -1,10 +1,11 @@
-"""Asynchronous requests: ``Request``, ``waitall``, ``waitany``, ``gather`` and the I/O pool.
+"""Asynchronous requests: ``Request``, ``NativeRequest``, ``waitall``, ``waitany``, ``gather``.
 
 Background I/O runs on a bounded pool of ``CHEMIO_IO_THREADS`` threads that call
 GIL-releasing positioned I/O. The pool is a C ``SimpleQueue`` feeding long-lived threads and
 a request is completed by releasing a lock: a few microseconds per request, so that many
 small requests in flight still pay off. ``CHEMIO_SYNC=1`` runs every request in the caller
 before the call returns (for debugging); errors surface at ``wait()`` in both modes.
+A backend that completes requests itself (Linux AIO) makes ``NativeRequest``s.
 
 Interrupts: a signal handler that raises may run between any two bytecodes of the main
 thread. ``shield``/``shielded`` let bookkeeping finish whole and raise the handler's
@@ -177,6 +178,51 @@ class Request:
     def __repr__(self) -> str:
         state = {0: "pending", 1: "running", 2: "done", 3: "cancelled"}[self._state]
         return f"<Request {state}>"
+
+
+class NativeRequest(Request):
+    """A request completed by someone other than the I/O pool: a backend's native
+    asynchronous path (e.g. Linux AIO) creates it, and its own thread completes it with
+    ``set_result``, ``set_exception`` or ``complete_with``.
+
+    It is under way from the start, so ``cancel()`` refuses. ``wait()`` calls ``progress``
+    in the waiting thread, which a subclass overrides to drive completion itself (reap
+    the kernel's events); the default waits for whoever completes it.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, stats: Any = None):
+        super().__init__(stats)
+        self._state = RUNNING
+
+    def progress(self, deadline: float | None) -> bool:
+        """Bring the request to completion, or wait for it, until ``deadline``
+        (``time.perf_counter()``; None: no limit); return ``done()``."""
+        return self.settle(None if deadline is None else deadline - time.perf_counter())
+
+    def settle(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: until complete) for someone to complete
+        the request, without raising or counting the wait; return ``done()``."""
+        end = None if timeout is None else time.perf_counter() + max(0.0, timeout)
+        lock = self._lock
+        while self._state < DONE:
+            left = POLL if end is None else min(POLL, end - time.perf_counter())
+            if left < 0:
+                break
+            if lock.acquire(timeout=left):
+                lock.release()
+        return self._state >= DONE
+
+    def _block(self, timeout: float | None) -> None:
+        if self._state >= DONE:
+            return
+        t0 = time.perf_counter()
+        done = self.progress(None if timeout is None else t0 + max(0.0, timeout))
+        if self._stats is not None:
+            self._stats.waited(time.perf_counter() - t0)
+        if not done:
+            raise TimeoutError(f"request not complete after {timeout} s")
 
 
 # ---------------------------------------------------------------- interrupts

@@ -28,7 +28,7 @@ import chemio_py as cio
 from chemio_py.scratch import fs, jobs
 
 def where(name, obj, nbytes):
-    store = obj._store
+    store = obj.store
     path = store.path
     st = os.stat(path)
     return {"name": name, "path": path, "fstype": fs.fstype(path),

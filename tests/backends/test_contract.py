@@ -77,7 +77,7 @@ def test_a_backend_without_arrays_is_a_clear_error(registered):
 
 def test_capabilities_are_found_once_at_open():
     with cio.ExclusiveFile("caps", "w+") as f:
-        caps = backends.capabilities(f._store)
+        caps = backends.capabilities(f.store)
         assert caps.native_read is not None and caps.read_nowait is not None
         f.delete()
     with cio.DiskArray.create("caps", (8, 8), "f8") as d:

@@ -105,7 +105,7 @@ def test_exclusive_file_against_a_bytearray_model(plain):
         model[off:end] = data.tobytes()
 
     with cio.ExclusiveFile("eaf", "w+", backend=plain, size_hint=1 << 16) as f:
-        assert f.backend == plain and isinstance(f._store, PlainByteStore)
+        assert f.backend == plain and isinstance(f.store, PlainByteStore)
         assert os.path.dirname(f.path).startswith(jobs.private_root(0))
         assert f.path.endswith("eaf.0") and oct(os.stat(f.path).st_mode & 0o777) == "0o600"
         reqs, pending = [], []
@@ -239,7 +239,7 @@ def test_disk_array_against_a_numpy_model(plain, dtype):
     shape = (37, 23, 5)
     model = np.zeros(shape, dtype)
     d = cio.DiskArray.create("dra", shape, dtype, chunks=(8, 8, 5), backend=plain)
-    assert d.backend == plain and isinstance(d._store, PlainArrayStore)
+    assert d.backend == plain and isinstance(d.store, PlainArrayStore)
     np.testing.assert_array_equal(d[...], model)         # every element starts at zero
     for i in range(60):
         sec = _section(rng, shape)

@@ -40,7 +40,7 @@ def test_a_queued_request_cannot_be_cancelled_and_the_engine_goes_on(tmp_path):
     # cancel() used to say True for a transfer already in the kernel; its completion then
     # released the request's lock a second time and killed the reaper thread
     with cio.ExclusiveFile("cancel", "w+", dir=str(tmp_path), direct=True) as f:
-        if f._store._dfd is None:
+        if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
         big = cio.aligned_empty(4 << 20)
         big[:] = 5
@@ -99,7 +99,7 @@ def test_a_waiter_completes_its_requests_in_its_own_thread(tmp_path):
     # completion (the first round may still be the reaper's, which then steps aside)
     me = threading.get_ident()
     with cio.ExclusiveFile("own", "w+", dir=str(tmp_path), direct=True) as f:
-        if f._store._dfd is None:
+        if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
         rows = cio.aligned_empty((8, K))
         rows[...] = 1
@@ -153,7 +153,7 @@ def test_interrupts_during_waits_lose_no_completion(tmp_path):
     old = signal.signal(signal.SIGINT, interrupt)
     try:
         with cio.ExclusiveFile("intr", "w+", dir=str(tmp_path), direct=True) as f:
-            if f._store._dfd is None:
+            if f.store._dfd is None:
                 pytest.skip("this file system refuses O_DIRECT")
             rows = cio.aligned_empty((32, K))
             rows[...] = 9
@@ -205,7 +205,7 @@ def test_threads_waiting_at_once_all_complete(tmp_path):
     # one thread reaps at a time; the others are completed by it or take over after it
     errors = []
     with cio.ExclusiveFile("threads", "w+", dir=str(tmp_path), direct=True) as f:
-        if f._store._dfd is None:
+        if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
         f.truncate(4 * 64 * 8 * K)
 
@@ -237,7 +237,7 @@ def test_a_completion_callback_may_wait_for_another_request(tmp_path):
     # the callback runs in the thread that reaps (holding the engine's token); a wait
     # there used to deadlock the reaper thread
     with cio.ExclusiveFile("cb", "w+", dir=str(tmp_path), direct=True) as f:
-        if f._store._dfd is None:
+        if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
         buf = cio.aligned_empty(K)
         buf[:] = 4
@@ -265,7 +265,7 @@ def test_the_reaper_completes_hundreds_in_flight_that_nobody_waits_for(tmp_path)
     # completions at once than its buffer holds (EINVAL) and stopped for good
     eng = linux_aio.engine()
     with cio.ExclusiveFile("many", "w+", dir=str(tmp_path), direct=True) as f:
-        if f._store._dfd is None:
+        if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
         n = linux_aio.QUEUE_DEPTH + linux_aio.BLOCKS * linux_aio.BLOCK
         f.truncate(n * K)

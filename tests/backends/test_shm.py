@@ -98,7 +98,7 @@ def test_concurrent_growing_writes_from_threads_match_model():
     rng = np.random.default_rng(1)
     payload = rng.integers(0, 256, size=(nthreads, per, block), dtype=np.uint8)
     with cio.ExclusiveFile("threads", "w+", backend="shm") as f:
-        store = f._store
+        store = f.store
         errors = []
 
         def work(t):
@@ -290,7 +290,7 @@ def test_far_offsets_hit_the_budget_before_any_mapping():
         with pytest.raises(cio.EndOfFileError):
             f.read(1 << 45, bytearray(1))
         assert f.size == 3 and f.read_bytes(0, 3) == b"abc"
-        assert f._store.allocated() <= 4096
+        assert f.store.allocated() <= 4096
         f.delete()
 
 
@@ -356,7 +356,7 @@ with warnings.catch_warnings(record=True) as caught:
         for k in range(16):                     # 4 MiB in 256 KiB records
             f.write(k * blk.nbytes, blk + k)
             model += (blk + k).tobytes()
-        print("DONE", f.size, f.read_bytes(0, f.size) == bytes(model), f._store.path,
+        print("DONE", f.size, f.read_bytes(0, f.size) == bytes(model), f.store.path,
               flush=True)                       # the store knows where the bytes are now
     except OutOfSpaceError as e:
         print("OOS", f.size, f.read_bytes(0, f.size) == bytes(model), e.needed, e.free,
@@ -441,7 +441,7 @@ with cio.ExclusiveFile("tiny", "w+", backend=be) as f:
             f.write(k * blk.nbytes, blk ^ k)
         ok = all(np.array_equal(f.read(k * blk.nbytes, np.empty_like(blk)), blk ^ k)
                  for k in range(16))
-        print("DONE", f.size, ok, f._store.path)
+        print("DONE", f.size, ok, f.store.path)
     except OutOfSpaceError as e:
         print("OOS", f.size, str(e).replace(chr(10), " "))
     f.delete()
@@ -497,7 +497,7 @@ def test_auto_spills_with_requests_in_flight_and_records_it():
             assert ram_path.startswith(shm_root())
             reqs = [f.awrite(i * blk, data[i]) for i in range(n)]     # 6 MiB > 2 MiB
             assert cio.waitall(reqs) == [blk] * n
-            store = f._store
+            store = f.store
             disk = auto_mod.disk_path(ram_path)
             assert store.spilled and store.path == disk and f.path == disk   # where bytes live
             assert not os.path.exists(ram_path) and os.path.exists(disk)
@@ -516,7 +516,7 @@ def test_auto_small_files_stay_in_ram_and_arrays_choose_at_creation():
     config.configure(shm_limit="4M")
     with cio.ExclusiveFile("small", "w+", backend="auto") as f:
         f.write(0, np.arange(1000.0))
-        assert f._store.path.startswith(shm_root()) and not f._store.spilled
+        assert f.store.path.startswith(shm_root()) and not f.store.spilled
         f.delete()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -528,7 +528,7 @@ def test_auto_small_files_stay_in_ram_and_arrays_choose_at_creation():
     small[...] = model[:64, :64]
     np.testing.assert_array_equal(big[100:300, 7:900], model[100:300, 7:900])
     np.testing.assert_array_equal(small[...], model[:64, :64])
-    assert small.path.startswith(shm_root()) or small._store.path.startswith(shm_root())
+    assert small.path.startswith(shm_root()) or small.store.path.startswith(shm_root())
     big.delete()
     small.delete()
 
@@ -597,7 +597,7 @@ c = cio.comm()
 sf = cio.SharedFile("grows", backend="auto")
 sf.write(c.rank * 65536, np.full(8192, float(c.rank)))        # small: stays in RAM
 c.barrier()
-assert sf._store.path.startswith(os.environ["CHEMIO_SHM_DIR"]) and not sf._store.spilled
+assert sf.store.path.startswith(os.environ["CHEMIO_SHM_DIR"]) and not sf.store.spilled
 if c.rank == 1:
     try:
         sf.write(0, np.zeros(1 << 20))                           # 8 MiB > 2M budget

@@ -35,17 +35,18 @@ def _direct_ok(d) -> bool:
         return False
 
 
-def _count_native(d, monkeypatch) -> list:
-    """Record what the store's native region read returned (a request or None)."""
-    store = d._store
+def _count_native(monkeypatch) -> list:
+    """Record what local stores' native region read returned (a request or None); call it
+    before the array opens (a store's capabilities are taken at open)."""
+    from chemio_py.backends.local import LocalArrayStore
     calls: list = []
-    orig = store.native_read_region
+    orig = LocalArrayStore.native_read_region
 
-    def spy(*a, **k):
-        r = orig(*a, **k)
+    def spy(self, *a, **k):
+        r = orig(self, *a, **k)
         calls.append(r is not None)
         return r
-    monkeypatch.setattr(store, "native_read_region", spy)
+    monkeypatch.setattr(LocalArrayStore, "native_read_region", spy)
     return calls
 
 
@@ -53,11 +54,11 @@ def _count_native(d, monkeypatch) -> list:
 @pytest.mark.parametrize("out_dtype", [None, np.float32])
 def test_direct_blocks_match_numpy(tmp_path, monkeypatch, depth, out_dtype):
     model = np.random.default_rng(1).random((300, 1024))        # 8 KiB rows, chunks of rows
+    calls = _count_native(monkeypatch)
     d = _array("odir", model, tmp_path, chunks=(64, 1024))
     try:
         if not _direct_ok(d):
             pytest.skip("no O_DIRECT on the scratch file system")
-        calls = _count_native(d, monkeypatch)
         d.evict()
         seen = []
         with iter_blocks(d, size=40, depth=depth, direct=True, out_dtype=out_dtype) as pipe:
@@ -97,11 +98,11 @@ def test_whole_blocks_are_the_ring_buffers(tmp_path, direct):
 
 def test_direct_default_follows_setting(tmp_path, monkeypatch):
     model = np.random.default_rng(2).random((64, 512))          # 4 KiB rows
+    calls = _count_native(monkeypatch)
     d = _array("oset", model, tmp_path, chunks=(16, 512))
     try:
         if not _direct_ok(d):
             pytest.skip("no O_DIRECT on the scratch file system")
-        calls = _count_native(d, monkeypatch)
         d.evict()
         assert np.array_equal(np.concatenate([b.copy() for _, b in iter_blocks(d, size=16)]),
                               model)
@@ -126,9 +127,9 @@ def test_direct_default_follows_setting(tmp_path, monkeypatch):
 ])
 def test_unaligned_shapes_fall_back(tmp_path, monkeypatch, shape, chunks, size):
     model = np.random.default_rng(3).random(shape)
+    calls = _count_native(monkeypatch)
     d = _array("ofb", model, tmp_path, chunks=chunks)
     try:
-        calls = _count_native(d, monkeypatch)
         d.evict()
         for axis in range(len(shape)):
             for section, block in iter_blocks(d, axis=axis, size=size, depth=2, direct=True):
@@ -146,14 +147,14 @@ def test_direct_blocks_of_many_runs_match_numpy(tmp_path, monkeypatch, depth):
     # chunks of one 4 KiB row of the middle axis: a block is 16 aligned runs, read with one
     # grouped submission; a block of whole rows is one run (a single control block)
     model = np.random.default_rng(7).random((44, 2, 512))
+    calls = _count_native(monkeypatch)
     d = _array("oruns", model, tmp_path, chunks=(8, 1, 512))
     try:
         if not _direct_ok(d):
             pytest.skip("no O_DIRECT on the scratch file system")
-        store = d._store
+        store = d.store
         buf = cio.aligned_empty((8, 2, 512), np.float64)
         assert len(store._direct_runs((slice(8, 16), slice(0, 2), slice(0, 512)), buf)[0]) == 16
-        calls = _count_native(d, monkeypatch)
         d.evict()
         seen = 0
         with iter_blocks(d, size=8, depth=depth, direct=True) as pipe:
@@ -174,7 +175,7 @@ def test_cached_blocks_use_page_cache(tmp_path):
     try:
         if not _direct_ok(d):
             pytest.skip("no O_DIRECT on the scratch file system")
-        store = d._store
+        store = d.store
         region = (slice(16, 32), slice(0, 1024))
         out = cio.aligned_empty((16, 1024), np.float64)
         d[16:32]                                            # in the page cache now
