@@ -33,7 +33,7 @@ import os
 import stat
 import threading
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -41,9 +41,8 @@ import chemio_py.backends as _backends
 from chemio_py.arrays import meta as _meta
 from chemio_py.backends import grid
 from chemio_py.errors import ArgumentError, ChecksumError, MetadataError
+from chemio_py.runtime import config, pool
 from chemio_py.scratch import jobs
-
-
 
 CRC_SUFFIX = ".crc"
 CHECKSUM_BACKENDS = ("local", "shm", "auto")
@@ -51,6 +50,8 @@ CHECKSUM_ALGORITHM = "crc32"
 _CRC_ENTRY = 4
 _ZERO_CRCS: dict[int, int] = {}
 _CRC_STRIPES = [threading.Lock() for _ in range(64)]
+_TASK_BYTES = (1 << 20, 32 << 20)    # the bytes of one pool task of a hook, clamped
+_POOL_THREAD = "chemio-io_"     # the name prefix of the I/O pool's threads (runtime.pool)
 
 
 def crc_path(data: str) -> str:
@@ -73,11 +74,29 @@ def zero_crc(nbytes: int) -> int:
     return crc
 
 
-def _crc_of(a: np.ndarray) -> int:
-    """CRC-32 of ``a``'s elements in C order."""
+def _crc_of(a: np.ndarray, scratch: np.ndarray) -> int:
+    """CRC-32 of ``a``'s elements in C order, through a copy in ``scratch`` (bytes, at least
+    ``a.nbytes``) unless ``a`` is contiguous: one ``zlib.crc32`` call, which releases the
+    GIL (a call per row would take it back once per row, and threads contend for it)."""
     if not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a)
-    return zlib.crc32(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        tmp = scratch[:a.nbytes].view(a.dtype).reshape(a.shape)
+        np.copyto(tmp, a)
+        a = tmp
+    return zlib.crc32(a)  # type: ignore[arg-type]
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _on_pool_thread() -> bool:
+    """Whether this thread is one of the I/O pool's (a hook run as a request's finish): it
+    must not wait for pool tasks, which could be queued behind it."""
+    return threading.current_thread().name.startswith(_POOL_THREAD)
 
 
 def _entry_lock(fd: int, at: int, take: bool) -> None:
@@ -182,14 +201,18 @@ class Checksums:
         return tuple(slice(s - r.start, s - r.start + k)
                      for s, k, r in zip(piece.start, piece.shape, region))
 
-    def _chunk(self, store: Any, piece: Any) -> np.ndarray:
-        """The whole chunk of ``piece``, read from the store."""
-        lay = self.layout
+    def _scratch(self) -> np.ndarray:
+        """This thread's chunk-sized byte buffer (made once, reused: no page faults)."""
         raw = getattr(self._buffers, "chunk", None)
         if raw is None:
-            raw = self._buffers.chunk = np.empty(lay.chunk_nbytes, np.uint8)
-        buf = raw[:math.prod(piece.extent) * self.dtype.itemsize].view(self.dtype) \
-            .reshape(piece.extent)
+            raw = self._buffers.chunk = np.empty(self.layout.chunk_nbytes, np.uint8)
+        return raw
+
+    def _chunk(self, store: Any, piece: Any) -> np.ndarray:
+        """The whole chunk of ``piece``, read from the store into this thread's buffer."""
+        lay = self.layout
+        buf = self._scratch()[:math.prod(piece.extent) * self.dtype.itemsize] \
+            .view(self.dtype).reshape(piece.extent)
         store.read(tuple(slice(i * c, i * c + e) for i, c, e in
                          zip(piece.index, lay.chunks, piece.extent)), buf)
         return buf
@@ -200,42 +223,78 @@ class Checksums:
                              found, self.path)
 
     # ------------------------------------------------------------ the hooks
+    def _each_part(self, region: tuple,
+                   fn: Callable[[tuple], ChecksumError | None]) -> None:
+        """Run ``fn(part)`` over parts of ``region`` cut at chunk boundaries (each chunk
+        in one part), on as many I/O pool threads as there are CPUs (CRC-32 runs at 1-2
+        GB/s a core, releasing the GIL); in this thread when it is a pool thread. Each
+        ``fn`` returns None or the error of its first bad chunk; the one first in the file
+        over all parts is raised, as a serial pass would."""
+        lay = self.layout
+        threads = max(1, min(int(config.get("io_threads")), _cpus()))   # CPU-bound work
+        size = grid.region_nbytes(region, lay.itemsize) // (4 * threads)
+        parts = lay.split(region, min(max(size, _TASK_BYTES[0], lay.chunk_nbytes),
+                                      _TASK_BYTES[1]), within_chunks=False)
+        found: list = []
+        if len(parts) <= 1 or threads == 1 or _on_pool_thread():
+            found = [fn(part) for part in parts]
+        else:
+            pool.TaskRun(lambda part: found.append(fn(part)), parts).run(
+                min(threads, len(parts)))
+        bad = [e for e in found if e is not None]
+        if bad:
+            raise min(bad, key=lambda e: e.offset)
+
     def updated(self, store: Any, region: tuple, src: np.ndarray) -> None:
         """After a write of ``src`` to ``region`` completed: recompute the entries of the
         chunks it touched (whole chunks from ``src``, others read back under the lock)."""
         isz = self.dtype.itemsize
-        for piece in self.layout.pieces(region):
-            n = self._number(piece.index)
-            nbytes = math.prod(piece.extent) * isz
-            if piece.shape == piece.extent:
-                self._put(n, _crc_of(src[self._rel(region, piece)]), nbytes)
-                continue
-            at = n * _CRC_ENTRY
-            with _CRC_STRIPES[n % len(_CRC_STRIPES)]:
-                _entry_lock(self.fd, at, True)
-                try:
-                    self._put(n, _crc_of(self._chunk(store, piece)), nbytes)
-                finally:
-                    _entry_lock(self.fd, at, False)
+
+        def part(sub: tuple) -> None:
+            scratch = self._scratch()
+            for piece in self.layout.pieces(sub):
+                n = self._number(piece.index)
+                nbytes = math.prod(piece.extent) * isz
+                if piece.shape == piece.extent:
+                    self._put(n, _crc_of(src[self._rel(region, piece)], scratch), nbytes)
+                    continue
+                at = n * _CRC_ENTRY
+                with _CRC_STRIPES[n % len(_CRC_STRIPES)]:
+                    _entry_lock(self.fd, at, True)
+                    try:
+                        self._put(n, zlib.crc32(self._chunk(store, piece)),  # type: ignore[arg-type]
+                                  nbytes)
+                    finally:
+                        _entry_lock(self.fd, at, False)
+        self._each_part(region, part)
 
     def verify(self, store: Any, region: tuple, target: np.ndarray) -> None:
         """After a read of ``region`` into ``target``: check every chunk it met (a chunk
         read in part: all of it is read and checked, and the part copied from it)."""
         isz = self.dtype.itemsize
-        for piece in self.layout.pieces(region):
-            n = self._number(piece.index)
-            nbytes = math.prod(piece.extent) * isz
-            rel = self._rel(region, piece)
-            whole = piece.shape == piece.extent
-            chunk = target[rel] if whole else self._chunk(store, piece)
-            found = _crc_of(chunk)
-            expected = self._expected(n, nbytes)
-            if found != expected:
-                raise self._mismatch(piece, n, nbytes, expected, found)
-            if not whole:
-                target[rel] = chunk[tuple(slice(s - i * c, s - i * c + k) for s, k, i, c in
-                                          zip(piece.start, piece.shape, piece.index,
-                                              self.layout.chunks))]
+        chunks = self.layout.chunks
+
+        def part(sub: tuple) -> ChecksumError | None:
+            scratch = self._scratch()
+            for piece in self.layout.pieces(sub):
+                n = self._number(piece.index)
+                nbytes = math.prod(piece.extent) * isz
+                rel = self._rel(region, piece)
+                if piece.shape == piece.extent:
+                    chunk = None
+                    found = _crc_of(target[rel], scratch)
+                else:
+                    chunk = self._chunk(store, piece)
+                    found = zlib.crc32(chunk)  # type: ignore[arg-type]
+                expected = self._expected(n, nbytes)
+                if found != expected:
+                    return self._mismatch(piece, n, nbytes, expected, found)
+                if chunk is not None:
+                    target[rel] = chunk[tuple(slice(s - i * c, s - i * c + k) for s, k, i, c
+                                              in zip(piece.start, piece.shape, piece.index,
+                                                     chunks))]
+            return None
+        self._each_part(region, part)
 
 
 def verify_then_copy(sums: Checksums, store: Any, region: tuple, target: np.ndarray,

@@ -22,6 +22,7 @@ import operator
 import os
 import socket
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -44,9 +45,10 @@ from chemio_py.errors import (
     ModeError,
     NotSharedError,
     SectionError,
-    SupersededError,
 )
-from chemio_py.runtime import config, handles, pool, reprs, requests, stats
+from chemio_py.runtime import config, pool, reprs, requests, stats
+from chemio_py.runtime.collective import Collective, Creation
+from chemio_py.runtime.lifecycle import StoreHandle
 from chemio_py.runtime.comm import Comm, resolve as _resolve_comm
 from chemio_py.scratch import jobs
 
@@ -145,9 +147,9 @@ def _new_paths(be: Any, name: str, path: Any, keep: bool, inside: bool) -> tuple
     return p, (p if inside else p + META_SUFFIX)
 
 
-def _check_options(be: Any, be_name: str, options: dict) -> dict:
+def _check_options(be: _backends.Backend, be_name: str, options: dict) -> dict:
     """The backend options of a create/open call, if backend ``be`` takes them all."""
-    known = frozenset(getattr(be, "array_options", ()) or ())
+    known = _backends.backend_capabilities(be).array_options
     bad = sorted(set(options) - known)
     if bad:
         takes = f"it takes {sorted(known)}" if known else "it takes none"
@@ -163,7 +165,8 @@ def _attributes(inside: bool, m: _meta.Meta) -> dict:
     return {"attributes": m.to_doc()} if inside else {}
 
 
-def _record(be: Any, m: _meta.Meta, data: str, mpath: str, keep: bool, inside: bool) -> None:
+def _record(be: _backends.Backend, m: _meta.Meta, data: str, mpath: str, keep: bool,
+            inside: bool) -> None:
     """After creation on rank 0: write the metadata beside the data (unless the object
     holds it) and hand scratch objects to the job's cleanup."""
     if not keep:
@@ -189,7 +192,7 @@ def _described(be: Any, be_name: str, path: str) -> _meta.Meta:
                                   _backends.array_formats(be)[0])
 
 
-def _load_meta(be: Any, be_name: str, data: str, mpath: str) -> _meta.Meta:
+def _load_meta(be: _backends.Backend, be_name: str, data: str, mpath: str) -> _meta.Meta:
     """The metadata of an array: from inside its object, or from the file beside it."""
     if mpath == data and isinstance(be, _backends.SelfDescribing):
         return _described(be, be_name, data)
@@ -267,31 +270,184 @@ def _find(path: Any, backend: str | None) -> tuple[str, str, _meta.Meta]:
     return mpath, p, _meta.load(mpath)
 
 
+def _find_to_open(path: Any, mode: str, backend: str | None, rank: int) -> Any:
+    """The first step of ``DiskArray.open``: check ``mode``; on rank 0 find the array."""
+    if mode not in ("r", "r+"):
+        raise ModeError(f"DiskArray.open mode {mode!r} is not 'r' (read) or 'r+' "
+                        f"(read/write); create new arrays with DiskArray.create")
+    return _find(path, backend) if rank == 0 else None
+
+
+def _unmake(be: Any, data: str, mpath: str) -> None:
+    """Undo a creation on rank 0: remove the object, its metadata and its checksums."""
+    be.remove(data)
+    if mpath != data:
+        jobs.remove_path(mpath)                 # the user layer wrote the metadata
+        jobs.remove_path(crc_path(data))
+    for p in {data, mpath, crc_path(data)}:
+        jobs.disown(p)
+
+
+class _Creating(Creation):
+    """The creation of one DiskArray, in the steps of ``runtime.collective``: rank 0 makes
+    the object and records its metadata (with a fresh uuid) beside or inside it; every
+    other rank proves it reads that uuid, then opens the object."""
+
+    def __init__(self, c: Comm, name: str, a: SimpleNamespace):
+        what = f"DiskArray.create({name!r})"
+        super().__init__(c, what, what)
+        self.name = name
+        self.a = a                              # the arguments of create
+        self.store: Any = None
+        self.sums: Checksums | None = None
+
+    def check(self) -> tuple:
+        a = self.a
+        jobs.validate_name(self.name)
+        self.shape = shape = _meta.check_shape(a.shape)
+        self.dt = dt = _meta.check_dtype(a.dtype)
+        nbytes = math.prod(shape) * dt.itemsize
+        if nbytes > _meta.MAX_NBYTES:
+            raise ArgumentError(f"shape {shape} of {dt} makes {nbytes} bytes, more "
+                                f"than the limit of {_meta.MAX_NBYTES}")
+        self.ch = DiskArray._choose_chunks(shape, dt, a.chunks, a.request_shape)
+        if a.persistent and a.path is None:
+            raise ArgumentError(
+                f"DiskArray {self.name!r}: persistent=True needs path= (a directory or file "
+                f"where the array stays); scratch arrays need neither")
+        self.keep = a.path is not None
+        self.be_name = be_name = config.backend_for(self.name, a.backend).value
+        self.be = be = _backends.require(_backends.resolve(be_name), be_name,
+                                         _backends.ArrayBackend)
+        self.opts = _check_options(be, be_name, a.options)
+        check_checksum(be, be_name, a.checksum)
+        self.together = _backends.is_collective(be)
+        self.inside = isinstance(be, _backends.SelfDescribing)
+        return (self.name, shape, dt.str, self.ch, be_name, self.keep,
+                repr(sorted(self.opts.items())), a.checksum)
+
+    def explain(self, mine: tuple, first: tuple) -> str:
+        return (f"rank {self.comm.rank} asked for DiskArray.create{mine[:4]} on backend "
+                f"{mine[4]!r} but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass "
+                f"the same name, shape, dtype, layout, backend and options")
+
+    def vet(self) -> Any:
+        be = self.be                                    # e.g. shm: one node
+        return be.check_collective if isinstance(be, _backends.CollectiveCheck) else None
+
+    def make(self) -> tuple[str, str, _meta.Meta]:
+        be, keep, inside = self.be, self.keep, self.inside
+        data, mpath = _new_paths(be, self.name, self.a.path, keep, inside)
+        if keep:
+            if not self.a.overwrite and (be.exists(data) or os.path.lexists(mpath)):
+                raise ArgumentError(_exists_message(data, mpath))
+            if not inside and os.path.lexists(mpath):
+                os.unlink(mpath)                # old metadata first: never half valid
+        m = _meta.Meta(name=self.name, shape=self.shape, dtype=self.dt, chunks=self.ch,
+                       backend=self.be_name, data=os.path.basename(data), persistent=keep,
+                       uuid=os.urandom(16).hex(), created=_meta.creation_info(self.comm.size),
+                       layout=_backends.array_formats(be)[0], **checksum_meta(self.a.checksum))
+        self.supersede(data, self.what)
+        if not self.together:
+            self._opened(be.open_array(data, "w+", **self._new(m)), data, mpath, True)
+            self.adopt((data, mpath, m))
+        return data, mpath, m
+
+    def join(self, made: tuple[str, str, _meta.Meta]) -> None:
+        data, mpath, m = made
+        self.supersede(data, self.what)
+        if not self.together:
+            store = DiskArray._open_peer(self.be, self.be_name, data, mpath, m.uuid, self.shape,
+                                         self.dt, self.ch, self.comm, self.host0, self.opts)
+            self._opened(store, data, mpath, False)
+
+    def open_together(self, made: tuple[str, str, _meta.Meta]) -> None:
+        data, mpath, m = made
+        store = self.be.open_array(data, "w+", comm=self.comm, **self._new(m))
+        self._opened(store, data, mpath, self.comm.rank == 0)
+
+    def adopt(self, made: tuple[str, str, _meta.Meta]) -> None:
+        data, mpath, m = made
+        _record(self.be, m, data, mpath, self.keep, self.inside)
+
+    def finishing(self, made: tuple[str, str, _meta.Meta]) -> bool:
+        return made[2].checksum is not None
+
+    def finish(self, made: tuple[str, str, _meta.Meta]) -> None:
+        layout = grid.Layout(self.shape, self.ch, self.dt.itemsize)
+        self.sums = sums = Checksums.open(made[0], layout, self.dt, True)
+        self.on_failure(sums.close)
+
+    def _new(self, m: _meta.Meta) -> dict:
+        """The keywords of ``open_array`` that make the object."""
+        return dict(shape=self.shape, dtype=self.dt, chunks=self.ch,
+                    perms=0o666 if self.keep else 0o600, **_attributes(self.inside, m),
+                    **self.opts)
+
+    def _opened(self, store: Any, data: str, mpath: str, created: bool) -> None:
+        """Keep ``store``; on failure close it and, where this rank ``created`` the object,
+        remove it with its metadata."""
+        self.store = store
+        be = self.be
+        if created:
+            self.on_failure(lambda: _unmake(be, data, mpath))
+        self.on_failure(lambda: _backends.close_local(store))
+
+
+def _open_found(op: Collective, found: tuple, mode: str, backend: str | None,
+                options: dict) -> tuple:
+    """``DiskArray.open`` on every rank, agreed: the backend that reads the array found by
+    rank 0, its checksums and (unless the backend opens collectively) its store."""
+    mpath, data, m = found
+    be_name = backend or m.backend
+    be = _backends.require(_backends.resolve(be_name), be_name, _backends.ArrayBackend)
+    opts = _check_options(be, be_name, options)
+    if m.layout not in _backends.array_formats(be):
+        able = [n for n in _backends.serving(_backends.ArrayBackend, m.layout) if n != be_name]
+        raise MetadataError(
+            f"the array at {mpath!r} is in format {m.layout!r}, which backend {be_name!r} "
+            f"cannot read (it reads {list(_backends.array_formats(be))}); open it with "
+            f"backend= one of {able}")
+    if not be.exists(data):
+        raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
+                            f"{data!r} is missing; restore it or delete the metadata")
+    sums = store = None
+    if m.checksum:
+        check_checksum(be, be_name, True, f" to open the array at {mpath!r}, which has "
+                       f"checksums")
+        sums = Checksums.open(data, grid.Layout(m.shape, m.chunks, m.dtype.itemsize),
+                              m.dtype, mode != "r")
+        op.on_failure(sums.close)
+    if not _backends.is_collective(be):
+        store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype, chunks=m.chunks, **opts)
+        op.on_failure(lambda: _backends.close_local(store))
+    return be_name, be, opts, store, sums
+
+
 # ---------------------------------------------------------------- the array
 
-class DiskArray:
+class DiskArray(StoreHandle):
     """An N-d array on disk, read and written in sections (see the module docstring).
 
     Make one with ``DiskArray.create`` or ``DiskArray.open``; both are collective.
     """
 
-    def __init__(self, *, store: Any, backend_obj: Any, backend_name: str, meta: _meta.Meta,
-                 data_path: str, meta_path: str, mode: str, comm: Comm, owner: bool,
-                 checksums: Checksums | None = None):
-        self._store = store
+    close_alone = staticmethod(_backends.close_local)
+
+    def __init__(self, *, store: _backends.ArrayStore, backend_obj: _backends.ArrayBackend,
+                 backend_name: str, meta: _meta.Meta, data_path: str, meta_path: str,
+                 mode: str, comm: Comm, owner: bool, checksums: Checksums | None = None):
+        self._hold(store, data_path, mode)
         self._sums = checksums
         self._caps = _backends.capabilities(store)
         self._be = backend_obj
         self.backend = backend_name
         self._meta = meta
-        self._data_path = data_path
         self._meta_path = meta_path
-        self._mode = mode
         self._comm = comm
         self._owner = owner
         self._layout = grid.Layout(meta.shape, meta.chunks, meta.dtype.itemsize)
         self._stats = stats.for_file(data_path, backend_name)
-        self._pending = requests.Pending()
         self._deleted = False
         self._releaser = _Releaser(self)
         jobs.register_open(self._releaser)
@@ -323,115 +479,16 @@ class DiskArray:
         part of a chunk reads all of it), ``chemio check --read`` checks them all.
         """
         c = _resolve_comm(comm)
-        what = f"DiskArray.create({name!r})"
-        c.begin(what)
-        be: Any = None                      # these four: set under agreement below
-        store: Any = None
-        data: Any = None
-        mpath: Any = None
-        sums: Checksums | None = None
-        created = False
-        try:
-            with c.agree(what):
-                jobs.validate_name(name)
-                shape_t = _meta.check_shape(shape)
-                dt = _meta.check_dtype(dtype)
-                nbytes = math.prod(shape_t) * dt.itemsize
-                if nbytes > _meta.MAX_NBYTES:
-                    raise ArgumentError(f"shape {shape_t} of {dt} makes {nbytes} bytes, more "
-                                        f"than the limit of {_meta.MAX_NBYTES}")
-                ch = cls._choose_chunks(shape_t, dt, chunks, request_shape)
-                if persistent and path is None:
-                    raise ArgumentError(
-                        f"DiskArray {name!r}: persistent=True needs path= (a directory or file "
-                        f"where the array stays); scratch arrays need neither")
-                keep = path is not None
-                be_name = config.backend_for(name, backend).value
-                be = _backends.require(_backends.resolve(be_name), be_name,
-                                       _backends.ArrayBackend)
-                opts = _check_options(be, be_name, options)
-                check_checksum(be, be_name, checksum)
-                spec = (name, shape_t, dt.str, ch, be_name, keep, repr(sorted(opts.items())),
-                        checksum)
-            c.same_everywhere(spec, what, lambda mine, first: (
-                f"rank {c.rank} asked for DiskArray.create{mine[:4]} on backend {mine[4]!r} "
-                f"but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass the same "
-                f"name, shape, dtype, layout, backend and options"))
-            if c.size > 1:
-                if isinstance(be, _backends.CollectiveCheck):   # e.g. shm: one node
-                    with c.agree(what):
-                        be.check_collective(c, what)
-            together = _backends.is_collective(be)
-            inside = isinstance(be, _backends.SelfDescribing)
-            perms = 0o666 if keep else 0o600
-            m = None
-            # 1. rank 0 names the object and makes it (a collective backend: every rank,
-            #    below), then records the metadata.
-            with c.agree(what):
-                if c.rank == 0:
-                    data, mpath = _new_paths(be, name, path, keep, inside)
-                    if keep:
-                        if not overwrite and (be.exists(data) or os.path.lexists(mpath)):
-                            raise ArgumentError(_exists_message(data, mpath))
-                        if not inside and os.path.lexists(mpath):
-                            os.unlink(mpath)           # old metadata first: never half valid
-                    m = _meta.Meta(name=name, shape=shape_t, dtype=dt, chunks=ch,
-                                   backend=be_name, data=os.path.basename(data),
-                                   persistent=keep, uuid=os.urandom(16).hex(),
-                                   created=_meta.creation_info(c.size),
-                                   layout=_backends.array_formats(be)[0],
-                                   **checksum_meta(checksum))
-                    handles.supersede(data, what)
-                    if not together:
-                        store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
-                                              perms=perms, **_attributes(inside, m), **opts)
-                        created = True
-                        _record(be, m, data, mpath, keep, inside)
-            if c.size > 1:
-                data, mpath, m, host0 = c.bcast(
-                    (data, mpath, m, socket.gethostname()) if c.rank == 0 else None)
-                with c.agree(what):
-                    if c.rank != 0:
-                        handles.supersede(data, what)
-                        if not together:
-                            store = cls._open_peer(be, be_name, data, mpath, m.uuid, shape_t,
-                                                   dt, ch, c, host0, opts)
-            assert m is not None                # made by rank 0 above (and broadcast)
-            if together:
-                store = be.open_array(data, "w+", shape=shape_t, dtype=dt, chunks=ch,
-                                      perms=perms, comm=c, **_attributes(inside, m), **opts)
-                created = c.rank == 0
-                with c.agree(what):
-                    if c.rank == 0:
-                        _record(be, m, data, mpath, keep, inside)
-            if m.checksum:
-                with c.agree(what):             # every rank, after rank 0 made them
-                    sums = Checksums.open(data, grid.Layout(shape_t, ch, dt.itemsize), dt,
-                                           True)
-        except BaseException:
-            handles.abandon(data)           # another thread may create this name now
-            if sums is not None:
-                sums.close()
-            if store is not None:
-                _backends.close_local(store)
-            if created:
-                be.remove(data)
-                if mpath != data:
-                    jobs.remove_path(mpath)      # the user layer wrote the metadata
-                    jobs.remove_path(crc_path(data))
-                for p in {data, mpath, crc_path(data)}:
-                    jobs.disown(p)
-            raise
-        try:
-            d = cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
-                    meta_path=mpath, mode="r+", comm=c, owner=not keep, checksums=sums)
-        except BaseException:
-            handles.abandon(data)
-            if sums is not None:
-                sums.close()
-            raise
-        handles.claim(data, d)
-        return d
+        mk = _Creating(c, name, SimpleNamespace(
+            shape=shape, dtype=dtype, request_shape=request_shape, chunks=chunks,
+            backend=backend, path=path, persistent=persistent, overwrite=overwrite,
+            checksum=checksum, options=options))
+        data, mpath, m = mk.run()
+        sums = mk.sums
+        return mk.claim(data, lambda: cls(
+            store=mk.store, backend_obj=mk.be, backend_name=mk.be_name, meta=m, data_path=data,
+            meta_path=mpath, mode="r+", comm=c, owner=not mk.keep, checksums=sums),
+            None if sums is None else sums.close)
 
     @staticmethod
     def _choose_chunks(shape: tuple, dt: np.dtype, chunks: Any, request_shape: Any) -> tuple:
@@ -458,8 +515,9 @@ class DiskArray:
         return default_chunks(shape, dt.itemsize)
 
     @staticmethod
-    def _open_peer(be: Any, be_name: str, data: str, mpath: str, uuid: str, shape: tuple,
-                   dt: np.dtype, ch: tuple, c: Comm, host0: str, opts: dict) -> Any:
+    def _open_peer(be: _backends.ArrayBackend, be_name: str, data: str, mpath: str,
+                   uuid: str, shape: tuple, dt: np.dtype, ch: tuple, c: Comm, host0: str,
+                   opts: dict) -> Any:
         here = f"rank {c.rank} on host {socket.gethostname()!r}"
         fix = ("set CHEMIO_SHARED_SCRATCH (or path=) to a directory on a file system that every "
                "rank mounts (NFS, Lustre, GPFS, BeeGFS...)")
@@ -491,54 +549,14 @@ class DiskArray:
         """
         c = _resolve_comm(comm)
         what = f"DiskArray.open({os.fspath(path)!r})"
-        c.begin(what)
-        store = None
-        sums: Checksums | None = None
-        try:
-            with c.agree(what):
-                if mode not in ("r", "r+"):
-                    raise ModeError(f"DiskArray.open mode {mode!r} is not 'r' (read) or 'r+' "
-                                    f"(read/write); create new arrays with DiskArray.create")
-                found = _find(path, backend) if c.rank == 0 else None
-            if c.size > 1:
-                found = c.bcast(found)
-            assert found is not None            # rank 0's, broadcast
-            mpath, data, m = found
-            with c.agree(what):
-                be_name = backend or m.backend
-                be = _backends.require(_backends.resolve(be_name), be_name,
-                                       _backends.ArrayBackend)
-                opts = _check_options(be, be_name, options)
-                if m.layout not in _backends.array_formats(be):
-                    able = [n for n in _backends.serving(_backends.ArrayBackend, m.layout)
-                            if n != be_name]
-                    raise MetadataError(
-                        f"the array at {mpath!r} is in format {m.layout!r}, which backend "
-                        f"{be_name!r} cannot read (it reads "
-                        f"{list(_backends.array_formats(be))}); open it with backend= one of "
-                        f"{able}")
-                if not be.exists(data):
-                    raise MetadataError(f"DiskArray metadata {mpath!r} is there but its data file "
-                                        f"{data!r} is missing; restore it or delete the metadata")
-                together = _backends.is_collective(be)
-                if m.checksum:
-                    check_checksum(be, be_name, True, f" to open the array at {mpath!r}, "
-                                    f"which has checksums")
-                    sums = Checksums.open(data, grid.Layout(m.shape, m.chunks,
-                                                                m.dtype.itemsize),
-                                           m.dtype, mode != "r")
-                if not together:
-                    store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
-                                          chunks=m.chunks, **opts)
-            if together:
+        with Collective(c, what, what) as op:
+            found = op.agreed(lambda: _find_to_open(path, mode, backend, c.rank))
+            mpath, data, m = found = op.share(found)
+            be_name, be, opts, store, sums = op.agreed(
+                lambda: _open_found(op, found, mode, backend, options))
+            if store is None:               # a collective backend: every rank together
                 store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
                                       chunks=m.chunks, comm=c, **opts)
-        except BaseException:
-            if store is not None:
-                _backends.close_local(store)
-            if sums is not None:
-                sums.close()
-            raise
         return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
                    meta_path=mpath, mode=mode, comm=c, owner=False, checksums=sums)
 
@@ -566,7 +584,7 @@ class DiskArray:
     @property
     def path(self) -> str:
         """The data file (a directory for ``zarr``)."""
-        return self._data_path
+        return self._path
 
     @property
     def meta_path(self) -> str:
@@ -611,8 +629,9 @@ class DiskArray:
         return self._meta.nbytes
 
     @property
-    def closed(self) -> bool:
-        return self._store is None
+    def capabilities(self) -> _backends.Capabilities:
+        """What its store offers beyond the backend contract; nothing once closed."""
+        return self._caps
 
     def __len__(self) -> int:
         return self._meta.shape[0]
@@ -626,7 +645,7 @@ class DiskArray:
     def _repr_html_(self) -> str:
         """The notebook view: shape, dtype, chunks, logical bytes and bytes on disk,
         backend and format, compression, state and open requests."""
-        compression = getattr(self._store, "compression", None) if self._store else None
+        compression = self._caps.compression          # NO_CAPABILITIES once closed
         rows = [("shape", self.shape), ("dtype", self.dtype), ("chunks (on disk)", self.chunks),
                 ("grid", tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunks))),
                 ("bytes", reprs.size_text(self.nbytes)),
@@ -639,31 +658,22 @@ class DiskArray:
         return reprs.table(f"DiskArray {self.name!r}", rows)
 
     # ------------------------------------------------------------ checks
-    _superseded: str | None = None
+    def _label(self) -> str:
+        return f"DiskArray {self.name!r}"
 
-    def _open_store(self) -> Any:
-        if self._store is None:
-            if self._superseded is not None:
-                raise SupersededError(f"DiskArray {self.name!r} is closed: "
-                                              f"{self._superseded}")
-            raise ChemIOError(f"DiskArray {self.name!r} is closed; open it again with "
-                              f"DiskArray.open({self.path!r})")
-        return self._store
+    def _closed_text(self) -> str:
+        return (f"DiskArray {self.name!r} is closed; open it again with "
+                f"DiskArray.open({self.path!r})")
+
+    def _read_only_label(self) -> str:
+        return f"DiskArray {self.name!r} ({self.path!r})"
 
     def _supersede(self, reason: str) -> list[BaseException]:
         """Close this rank's handle because the array was created again (``handles``);
         the files now belong to the new array, so this one never removes them."""
-        self._superseded = reason
         self._owner = False
         self._deleted = True
-        return self._close_local()
-
-    def _writable_store(self) -> Any:
-        st = self._open_store()
-        if self._mode == "r":
-            raise ModeError(f"DiskArray {self.name!r} ({self.path!r}) is open read-only (mode "
-                            f"'r'); open it with mode 'r+' to write")
-        return st
+        return super()._supersede(reason)
 
     def _prep_read(self, section: Any, out: Any, transpose: bool) -> tuple:
         """Checks a read; returns (region, target view in region shape, result, copy-back)."""
@@ -731,25 +741,28 @@ class DiskArray:
             check(region)
 
     # ------------------------------------------------------------ the I/O engine
-    def _tasks(self, store: Any, region: tuple, arr: np.ndarray) -> list[tuple]:
+    def _tasks(self, store: _backends.ArrayStore, region: tuple, arr: np.ndarray) -> list[tuple]:
         nb = grid.region_nbytes(region, self.dtype.itemsize)
         if nb == 0:
             return []
         threads = max(1, int(config.get("io_threads")))
         task = min(TASK_MAX, max(TASK_MIN, nb // (2 * threads)))
         subs = self._layout.split(region, task, self._caps.byte_addressable)
-        return [(sub, arr[grid.relative(region, sub)]) for sub in subs]
+        return [(sub, arr[grid.relative(region, sub)], region) for sub in subs]
 
-    def _task(self, store: Any, write: bool, piece: tuple) -> None:
-        region, arr = piece
+    def _task(self, store: _backends.ArrayStore, write: bool, piece: tuple) -> None:
+        region, arr, section = piece
         t0 = time.perf_counter()
+        read_part = self._caps.read_part          # a store that plans for the whole section
         if write:
             store.write(region, arr)
+        elif read_part is not None:
+            read_part(region, arr, section)
         else:
             store.read(region, arr)
         self._stats.record("write" if write else "read", arr.nbytes, t0, time.perf_counter())
 
-    def _streams(self, store: Any, write: bool, ntasks: int) -> int:
+    def _streams(self, store: _backends.ArrayStore, write: bool, ntasks: int) -> int:
         """How many tasks of one section move at once: the I/O threads, at most the
         store's ``write_streams``/``read_streams`` (beyond them concurrent tasks only
         contend, e.g. for the CPU of a compressing store)."""
@@ -757,17 +770,19 @@ class DiskArray:
         cap = self._caps.write_streams if write else self._caps.read_streams
         return max(1, min(ntasks, n, cap or n))
 
-    def _taskrun(self, store: Any, write: bool, tasks: list) -> tuple[pool.TaskRun, int]:
+    def _taskrun(self, store: _backends.ArrayStore, write: bool,
+                 tasks: list) -> tuple[pool.TaskRun, int]:
         run = pool.TaskRun(functools.partial(self._task, store, write), tasks, self._stats)
         return run, self._streams(store, write, len(tasks))
 
-    def _start(self, store: Any, write: bool, region: tuple, arr: np.ndarray,
+    def _start(self, store: _backends.ArrayStore, write: bool, region: tuple, arr: np.ndarray,
                value: Any, finish: Any = None) -> requests.Request:
         run, streams = self._taskrun(store, write, self._tasks(store, region, arr))
         done = requests.gather([run.start(streams)], value, finish, self._stats)
         return self._pending.add(done)
 
-    def _run(self, store: Any, write: bool, region: tuple, arr: np.ndarray) -> None:
+    def _run(self, store: _backends.ArrayStore, write: bool, region: tuple,
+             arr: np.ndarray) -> None:
         """Move a section and return when it is done. One task runs in this thread (a
         pool hand-off costs more than a small section); several run on the pool while
         this thread waits, so an interrupt stops the tasks not started and waits for the
@@ -852,7 +867,8 @@ class DiskArray:
         section's byte runs 4 KiB-aligned, ``out`` contiguous and aligned, its pages not
         cached); else None, and nothing started (use ``aread``). ``iter_blocks(direct=True)``
         uses it for read-ahead beside compute that takes every core."""
-        native = getattr(self._open_store(), "native_read_region", None)
+        self._open_store()                              # raises when closed
+        native = self._caps.native_read_region
         if native is None or pool.sync_mode() or self._sums is not None:
             return None
         region, target, out, back = self._prep_read(section, out, False)
@@ -950,26 +966,11 @@ class DiskArray:
         if evict is not None:
             evict()
 
-    def _release(self, together: bool = False) -> BaseException | None:
-        """Close this rank's handle (waiting for its requests). Only with ``together``
-        (every rank in ``close``) may the store's close be a collective call."""
-        return requests.failure(self.path, self._close_local(together))
-
-    def _close_local(self, together: bool = False) -> list[BaseException]:
-        if self._store is None:
-            return []
-        errors = self._pending.drain()          # an interrupt here leaves the array open
-        store, self._store = self._store, None
+    def _forget_store(self) -> None:
         self._caps = _backends.NO_CAPABILITIES
         sums, self._sums = self._sums, None
         if sums is not None:
             sums.close()
-        if together:
-            store.close()
-        else:
-            _backends.close_local(store)
-        handles.release(self._data_path, self)
-        return errors
 
     def close(self) -> None:
         """Collective: wait for outstanding requests and close; a scratch array is removed
@@ -1018,34 +1019,21 @@ class DiskArray:
         c = self._comm
         failed: list[BaseException] = []
         if c.rank == 0:
-            for p in {self._meta_path, self._data_path}:
+            for p in {self._meta_path, self._path}:
                 jobs.disown(p)
-            if self._meta_path != self._data_path:
-                for p in (self._meta_path, crc_path(self._data_path)):
+            if self._meta_path != self._path:
+                for p in (self._meta_path, crc_path(self._path)):
                     jobs.disown(p)
                     try:
                         jobs.remove_path(p)          # the user layer wrote these
                     except OSError as e:                # the data still goes
                         failed.append(e)
         if _backends.removes_together(self._be, c):
-            self._be.remove_all(self._data_path, c)
+            self._be.remove_all(self._path, c)
         elif c.rank == 0:
-            self._be.remove(self._data_path)
+            self._be.remove(self._path)
         if failed:
             raise failed[0]
-
-    def __enter__(self) -> "DiskArray":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if getattr(self, "_store", None) is not None:
-                self._release()
-        except Exception:
-            pass
 
     # ------------------------------------------------------------ pipelines and interop
     def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,

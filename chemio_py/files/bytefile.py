@@ -16,14 +16,13 @@ import numpy as np
 import chemio_py.backends as _backends
 from chemio_py.errors import (
     ArgumentError,
-    ChemIOError,
     EndOfFileError,
     LimitExceededError,
     ModeError,
     PointerBufferError,
-    SupersededError,
 )
-from chemio_py.runtime import handles, pool, reprs, requests, stats, trace
+from chemio_py.runtime import pool, reprs, requests, stats, trace
+from chemio_py.runtime.lifecycle import StoreHandle
 from chemio_py.scratch import jobs
 
 MODES = ("r", "r+", "w+", "x+")
@@ -271,21 +270,20 @@ def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
     return m
 
 
-class ByteFile:
+class ByteFile(StoreHandle):
     """A byte-addressable file over a ByteStore (see ExclusiveFile for the API)."""
 
+    close_alone = staticmethod(_backends.close_local)
+
     def __init__(self, store: Any, backend_name: str, mode: str):
-        self._store = store
+        self._hold(store, store.path, mode)
         self._caps = _backends.capabilities(store)
-        self._path = store.path
-        self._mode = mode
         self.backend = backend_name
         self._stats = stats.for_file(store.path, backend_name)
         self._read_once = self._caps.pread_once     # one syscall per small blocking call
         self._write_once = self._caps.pwrite_once
         self._log = self._stats.log                 # the blocking calls' fast accounting
         self._logged = self._stats.log_entries
-        self._pending = requests.Pending()
         jobs.register_open(self)
 
     # ------------------------------------------------------------ properties
@@ -300,10 +298,6 @@ class ByteFile:
         return self._mode
 
     @property
-    def closed(self) -> bool:
-        return self._store is None
-
-    @property
     def size(self) -> int:
         """Current size in bytes."""
         return self._open_store().size()
@@ -312,54 +306,9 @@ class ByteFile:
     def stats(self) -> stats.FileStats:
         return self._stats
 
-    _superseded: str | None = None
-
-    def _open_store(self) -> Any:
-        if self._store is None:
-            if self._superseded is not None:
-                raise SupersededError(
-                    f"{type(self).__name__} {self._path!r} is closed: {self._superseded}")
-            raise ChemIOError(f"I/O on a closed {type(self).__name__}; open it again")
-        return self._store
-
-    def _supersede(self, reason: str) -> list[BaseException]:
-        """Close locally because the same file was created again (``handles``)."""
-        self._superseded = reason
-        return self._close_local()
-
-    def _close_local(self, together: bool = False) -> list[BaseException]:
-        """Wait for outstanding requests, close the store; the errors nobody has seen.
-        Only with ``together`` (every rank of the store's communicator is closing now) may
-        the store's close be a collective call."""
-        if self._store is None:
-            return []
-        errors = self._pending.drain()          # an interrupt here leaves the file open
-        # from here on, whole: an interrupt between forgetting the store and closing it
-        # would leave it open with nothing to close it again (handlers still run; what
-        # one raises comes after the close)
-        with requests.shield():
-            store, self._store = self._store, None
-            self._caps = _backends.NO_CAPABILITIES
-            self._read_once = self._write_once = None
-            try:
-                if together:
-                    store.close()
-                else:
-                    _backends.close_local(store)
-            finally:
-                handles.release(self._path, self)
-        return errors
-
-    def _release(self) -> BaseException | None:
-        """Close this process's handle without any collective call (``cio.cleanup``)."""
-        return requests.failure(self.path, self._close_local())
-
-    def _writable_store(self) -> Any:
-        st = self._open_store()
-        if self._mode == "r":
-            raise ModeError(f"{self.path!r} is open read-only (mode 'r'); open it with "
-                            f"mode 'r+' to write")
-        return st
+    def _forget_store(self) -> None:
+        self._caps = _backends.NO_CAPABILITIES
+        self._read_once = self._write_once = None
 
     # ------------------------------------------------------------ hooks for subclasses
     _limited = False        # True in subclasses whose _before_write checks something
@@ -672,30 +621,6 @@ class ByteFile:
             store.flush()
         if err is not None:
             raise err
-
-    def close(self) -> None:
-        """Wait for outstanding requests, then close. Idempotent.
-
-        A request that failed and was never waited for makes this raise
-        ``UnobservedIOError`` (once, the original error chained).
-        """
-        err = requests.failure(self.path, self._close_local(together=True))
-        if err is not None:
-            raise err
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        if getattr(self, "_store", None) is not None:
-            try:
-                self._pending.drain()
-                _backends.close_local(self._store)
-            except Exception:
-                pass
 
     def _size_or_none(self) -> int | None:
         store = self._store

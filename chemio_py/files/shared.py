@@ -17,7 +17,8 @@ entry), for ``shm`` the shm directory (all ranks on one node). Rank 0 creates it
 it; every other rank opens the same path and checks the token, so a node-local directory
 fails at creation with a clear error instead of giving each node its own file. A failure
 on any rank during creation raises on every rank (``CollectiveError`` carrying that rank's
-reason on the others).
+reason on the others), and every rank undoes what it made (the one creation protocol,
+``chemio_py.runtime.collective``).
 Rank 0 owns the file: ``destroy()`` or the end of rank 0's process removes it.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 import chemio_py.backends as _backends
 from chemio_py.errors import ArgumentError, LimitExceededError, NotSharedError, OutOfSpaceError
 from chemio_py.files.bytefile import ByteFile, check_offset
-from chemio_py.runtime import config, handles, reprs, requests
+from chemio_py.runtime import config, reprs, requests
+from chemio_py.runtime.collective import Creation
 from chemio_py.runtime.comm import Comm, resolve as _resolve_comm
 from chemio_py.scratch import fs, jobs
 
@@ -53,6 +55,105 @@ def _opt_size(value: Any, what: str, minimum: int = 0) -> int | None:
 def _round_up(n: int, q: int) -> int:
     return -(-n // q) * q
 
+
+class _Making(Creation):
+    """The creation of one SharedFile, in the steps of ``runtime.collective``: rank 0 makes
+    the file (replacing a stale one of the same name), reserves the soft limit before
+    anyone else opens it and writes a random token into a side file of the same directory;
+    every other rank proves it reads that token, then opens the file."""
+
+    def __init__(self, c: Comm, name: str, hard_limit: Any, soft_limit: Any,
+                 request_size: Any, backend: str | None):
+        super().__init__(c, f"SharedFile({name!r})", f"SharedFile({name!r}) creation")
+        self.name = name
+        self.args = (hard_limit, soft_limit, request_size, backend)
+        self.store: Any = None
+        self.tokened = False            # rank 0 wrote the token file (it removes it)
+
+    def check(self) -> tuple:
+        hard_limit, soft_limit, request_size, backend = self.args
+        jobs.validate_name(self.name)
+        self.hard = hard = _opt_size(hard_limit, "hard_limit")
+        self.soft = soft = _opt_size(soft_limit, "soft_limit")
+        self.req = req = _opt_size(request_size, "request_size", minimum=1)
+        if soft is not None and hard is not None and soft > hard:
+            raise ArgumentError(f"soft_limit ({soft} bytes) is larger than hard_limit "
+                                f"({hard} bytes); the soft limit is the expected size "
+                                f"and must not pass the hard limit")
+        self.be_name = config.backend_for(self.name, backend).value
+        self.be = _backends.require(_backends.resolve(self.be_name), self.be_name,
+                                    _backends.ByteBackend)
+        self.together = _backends.is_collective(self.be)
+        reserve = 0 if soft is None else _round_up(soft, req or 1)
+        self.reserve = reserve if hard is None else min(reserve, hard)
+        return (self.name, hard, soft, req, self.be_name)
+
+    def explain(self, mine: tuple, first: tuple) -> str:
+        return (f"rank {self.comm.rank} asked for SharedFile{_fmt_spec(mine)} but rank 0 for "
+                f"SharedFile{_fmt_spec(first)}; every rank must pass the same name, limits, "
+                f"request_size and backend")
+
+    def vet(self) -> Any:
+        be = self.be                                    # e.g. shm: one node
+        return be.check_collective if isinstance(be, _backends.CollectiveCheck) else None
+
+    def make(self) -> tuple[str, bytes]:
+        be, name = self.be, self.name
+        path = os.path.join(jobs.job_dir(be.root("shared")), name + _group_tag(self.comm) + SUFFIX)
+        if self.reserve:
+            fs.check_space(path, self.reserve, what=f"soft_limit of shared file {name!r}")
+        self.supersede(path, f"SharedFile({name!r})")
+        be.remove(path)
+        if not self.together:
+            self._opened(be.open_bytes(path, "x+"), path, created=True)
+            self.adopt((path, b""))
+        token = b""
+        if self.comm.size > 1:
+            token = os.urandom(_TOKEN_BYTES)
+            self.tokened = True
+            self.on_failure(lambda: self._remove_token(path))
+            _write_token(be, path + _TOKEN_SUFFIX, token)
+        return path, token
+
+    def join(self, made: tuple[str, bytes]) -> None:
+        path, token = made
+        self.supersede(path, f"SharedFile({self.name!r})")
+        _see_token(self.be, path, token, self.comm, self.host0)
+        if not self.together:
+            self._opened(self.be.open_bytes(path, "r+"), path, created=False)
+
+    def open_together(self, made: tuple[str, bytes]) -> None:
+        store = self.be.open_bytes(made[0], "x+", comm=self.comm)
+        self._opened(store, made[0], created=self.comm.rank == 0)
+
+    def adopt(self, made: tuple[str, bytes]) -> None:
+        jobs.own(made[0], self.be.remove)
+        if self.reserve:
+            self.store.reserve(self.reserve)
+
+    def finishing(self, made: tuple[str, bytes]) -> bool:
+        return self.comm.size > 1
+
+    def finish(self, made: tuple[str, bytes]) -> None:
+        if self.comm.rank == 0:
+            self._remove_token(made[0])
+
+    def _opened(self, store: Any, path: str, created: bool) -> None:
+        """Keep ``store``; on failure close it and, where this rank ``created`` the file,
+        remove it."""
+        self.store = store
+        if created:
+            self.on_failure(lambda: self._unmake(path))
+        self.on_failure(lambda: _backends.close_local(store))
+
+    def _unmake(self, path: str) -> None:
+        self.be.remove(path)
+        jobs.disown(path)
+
+    def _remove_token(self, path: str) -> None:
+        if self.tokened:
+            self.tokened = False
+            _drop_token(self.be, path + _TOKEN_SUFFIX)
 
 
 class SharedFile(ByteFile):
@@ -80,120 +181,26 @@ class SharedFile(ByteFile):
     def __init__(self, name: str, *, hard_limit: int | None = None,
                  soft_limit: int | None = None, request_size: int | None = None,
                  backend: str | None = None, comm: Any = None):
-        c = _resolve_comm(comm)
-        what = f"SharedFile({name!r}) creation"
-        c.begin(f"SharedFile({name!r})")
-        be: Any = None                      # these three: set under agreement below
-        store: Any = None
-        path: Any = None
-        created = False
-        tokened = False                     # rank 0 wrote the token file (it removes it)
-        try:
-            # 1. every rank checks its arguments, and that they are rank 0's.
-            with c.agree(what):
-                jobs.validate_name(name)
-                hard = _opt_size(hard_limit, "hard_limit")
-                soft = _opt_size(soft_limit, "soft_limit")
-                req = _opt_size(request_size, "request_size", minimum=1)
-                if soft is not None and hard is not None and soft > hard:
-                    raise ArgumentError(f"soft_limit ({soft} bytes) is larger than hard_limit "
-                                        f"({hard} bytes); the soft limit is the expected size "
-                                        f"and must not pass the hard limit")
-                be_name = config.backend_for(name, backend).value
-                be = _backends.require(_backends.resolve(be_name), be_name,
-                                       _backends.ByteBackend)
-                spec = (name, hard, soft, req, be_name)
-                reserve = 0 if soft is None else _round_up(soft, req or 1)
-                if hard is not None:
-                    reserve = min(reserve, hard)
-            c.same_everywhere(spec, what, lambda mine, first: (
-                f"rank {c.rank} asked for SharedFile{_fmt_spec(mine)} but rank 0 for "
-                f"SharedFile{_fmt_spec(first)}; every rank must pass the same name, limits, "
-                f"request_size and backend"))
-            if c.size > 1:
-                host0 = c.bcast(socket.gethostname() if c.rank == 0 else None)
-                if isinstance(be, _backends.CollectiveCheck):   # e.g. shm: one node
-                    with c.agree(what):
-                        be.check_collective(c, what)
-            # 2. rank 0 makes the file (replacing a stale one of the same name), reserves
-            #    the soft limit before anyone else opens it, and writes a random token
-            #    into a side file of the same directory. A collective backend makes and
-            #    opens the file on every rank at once instead, in step 4.
-            together = _backends.is_collective(be)
-            token = b""
-            tokened = False                 # rank 0 wrote the token file (it removes it)
-            with c.agree(what):
-                if c.rank == 0:
-                    path = os.path.join(jobs.job_dir(be.root("shared")),
-                                        name + _group_tag(c) + SUFFIX)
-                    if reserve:
-                        fs.check_space(path, reserve,
-                                            what=f"soft_limit of shared file {name!r}")
-                    handles.supersede(path, f"SharedFile({name!r})")
-                    be.remove(path)
-                    if not together:
-                        store = be.open_bytes(path, "x+")
-                        created = True
-                        jobs.own(path, be.remove)
-                        if reserve:
-                            store.reserve(reserve)
-                    if c.size > 1:
-                        token = os.urandom(_TOKEN_BYTES)
-                        tokened = True
-                        _write_token(be, path + _TOKEN_SUFFIX, token)
-                        tokened = True
-            # 3. every other rank proves it sees rank 0's directory, then opens the file.
-            if c.size > 1:
-                path, token = c.bcast((path, token) if c.rank == 0 else None)
-                with c.agree(what):
-                    if c.rank != 0:
-                        handles.supersede(path, f"SharedFile({name!r})")
-                        _see_token(be, path, token, c, host0)
-                        if not together:
-                            store = be.open_bytes(path, "r+")
-            # 4. a collective backend opens it on every rank together.
-            if together:
-                store = be.open_bytes(path, "x+", comm=c)
-                created = c.rank == 0
-                with c.agree(what):
-                    if c.rank == 0:
-                        jobs.own(path, be.remove)
-                        if reserve:
-                            store.reserve(reserve)
-            if c.size > 1:
-                with c.agree(what):
-                    if c.rank == 0:
-                        tokened = False
-                        _drop_token(be, path + _TOKEN_SUFFIX)
-        except BaseException:
-            handles.abandon(path)           # another thread may create this name now
-            if store is not None:
-                _backends.close_local(store)
-            if tokened:
-                _drop_token(be, path + _TOKEN_SUFFIX)
-            if created:
-                be.remove(path)
-                jobs.disown(path)
-            raise
+        mk = _Making(_resolve_comm(comm), name, hard_limit, soft_limit, request_size, backend)
+        path, _ = mk.run()
         self.name = name
-        self.hard_limit = hard
-        self.soft_limit = soft
-        self.request_size = req
-        self.comm: Comm = c
-        self._backend_obj = be
-        self._reserved = reserve
-        self._grow = soft is not None or req is not None
+        self.hard_limit = mk.hard
+        self.soft_limit = mk.soft
+        self.request_size = req = mk.req
+        self.comm: Comm = mk.comm
+        self._backend_obj = mk.be
+        self._reserved = mk.reserve
+        self._grow = mk.soft is not None or req is not None
         self._grow_step = _round_up(max(GROW_STEP, req or 1), req or 1)
         self._grow_lock = threading.Lock()
         self._replaced = False
         self._destroyed = False
         self._sf_path: str = path
-        try:
-            super().__init__(store, be_name, "r+")
-        except BaseException:
-            handles.abandon(path)
-            raise
-        handles.claim(path, self)
+
+        def build() -> SharedFile:
+            ByteFile.__init__(self, mk.store, mk.be_name, "r+")
+            return self
+        mk.claim(path, build)
 
     def _supersede(self, reason: str) -> list[BaseException]:
         self._replaced = True           # its destroy() must not remove the new file
@@ -251,7 +258,7 @@ class SharedFile(ByteFile):
             err = requests.failure(self.path, self._pending.drain())
             if err is not None:
                 raise err
-        sync_all = getattr(store, "sync_all", None)
+        sync_all = self._caps.sync_all
         if sync_all is not None:
             sync_all()                  # collective inside the store (MPI File.Sync)
         else:

@@ -13,6 +13,7 @@ import pytest
 import chemio_py as cio
 from chemio_py.arrays import meta as _meta
 from chemio_py.arrays.checksums import crc_path
+from chemio_py.backends import grid
 
 SHAPE = (37, 23)
 CHUNKS = (5, 7)              # edge chunks trimmed on both axes
@@ -102,6 +103,37 @@ def test_damage_found_by_read_and_by_check(tmp_path):
     assert np.array_equal(d[...], model())
     d.delete()
     assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("backend", ["local", "shm"])
+def test_checks_on_the_pool_match_a_serial_pass(tmp_path, monkeypatch, backend):
+    """Sections of many chunks are checked (and written) by pool threads, part by part:
+    the same data comes back, and of two damaged chunks the one first in the file is
+    reported, as a serial pass would (also from a pool thread: ``aread``)."""
+    from chemio_py.arrays import checksums
+    monkeypatch.setattr(checksums, "_cpus", lambda: 4)      # several parts on any machine
+    shape, chunks = (700, 600), (100, 150)                  # 120 kB chunks, 3.4 MB in all
+    d = cio.DiskArray.create("pool", shape, "f8", chunks=chunks, backend=backend,
+                             path=tmp_path, checksum=True)
+    try:
+        m = model(shape)
+        d[...] = m
+        d[50:650, 70:530] = -m[50:650, 70:530]              # parts of the edge chunks
+        m[50:650, 70:530] *= -1
+        assert np.array_equal(d[...], m)
+        assert np.array_equal(d[30:690, 20:580], m[30:690, 20:580])
+        assert np.array_equal(d.aread(np.s_[30:690, 20:580]).wait(), m[30:690, 20:580])
+        lay = grid.Layout(shape, chunks, 8)
+        for index in ((5, 1), (1, 3)):                      # numbers 21 and 7
+            _flip(d.path, lay.chunk_offset(index) + 811)
+        for read in (lambda: d[...], lambda: d[30:690, 20:580],
+                     lambda: d.aread(np.s_[...]).wait()):
+            with pytest.raises(cio.ChecksumError) as e:
+                read()
+            assert e.value.chunk == (1, 3) and e.value.number == 7
+            assert e.value.offset == lay.chunk_offset((1, 3))
+    finally:
+        d.close()
 
 
 def test_lost_checksum_file(tmp_path):

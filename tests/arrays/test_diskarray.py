@@ -493,7 +493,7 @@ def test_local_store_cached_and_uncached_paths_agree(tmp_path):
     d = cio.DiskArray.create("paths", shape, "complex64", chunks=chunks, backend="local",
                              path=tmp_path)
     d[...] = model
-    st = d._store
+    st = d.store
     used = {}
     real = st._copy_resident
     real_mapped = st._copy_mapped

@@ -57,7 +57,7 @@ def test_mapped_reads_agree_with_the_data(tmp_path, shape, chunks, dtype):
     model = (rng.standard_normal(shape) * 100).astype(dtype)
     d = cio.DiskArray.create("h", shape, dtype, chunks=chunks, path=tmp_path)
     d[...] = model
-    used = _spy(d._store)
+    used = _spy(d.store)
     for _ in range(40):
         a = [int(rng.integers(0, n)) for n in shape]
         b = [int(rng.integers(x + 1, n + 1)) for x, n in zip(a, shape)]
@@ -78,10 +78,10 @@ def test_evict_unmaps_and_drops_the_pages(tmp_path):
     d[...] = 1.0
     d.flush()
     assert d[:].sum() == 512 * 512
-    assert _mapped(d._store)
+    assert _mapped(d.store)
     assert _resident_pages(d.path) > 0
-    d._store.evict()
-    assert not _mapped(d._store)                       # unmapped, so fadvise could drop
+    d.store.evict()
+    assert not _mapped(d.store)                       # unmapped, so fadvise could drop
     assert _resident_pages(d.path) == 0
     assert d[:].sum() == 512 * 512                     # and reads still work
     mappings.drop_mappings()
@@ -97,12 +97,12 @@ def test_mapped_bytes_stay_under_the_cap(tmp_path):
         x[...] = v
     cio.configure(map_cap=600 * 1024)               # the setting (CHEMIO_MAP_CAP, TOML)
     mappings.drop_mappings()
-    assert a[:].sum() == 256 * 256 and _mapped(a._store)
-    assert b[:].sum() == 2 * 256 * 256 and _mapped(b._store)
-    assert not _mapped(a._store)                       # least recently used went first
+    assert a[:].sum() == 256 * 256 and _mapped(a.store)
+    assert b[:].sum() == 2 * 256 * 256 and _mapped(b.store)
+    assert not _mapped(a.store)                       # least recently used went first
     assert sum(m.nbytes for m in mappings.live_maps.values()) <= mappings.map_cap() == 600 * 1024
     assert big[:].sum() == 3 * 512 * 512               # over the cap: read without a mapping
-    assert not _mapped(big._store)
+    assert not _mapped(big.store)
     for x in (a, b, big):
         x.delete()
     assert not mappings.live_maps                             # closing a store unmaps it
@@ -209,14 +209,14 @@ def test_a_cold_read_leaves_its_pages_mapped(tmp_path, sec):
     d.flush()
     d.evict()
     np.testing.assert_array_equal(d[sec], model[sec])   # cold: preadv, page tables filled
-    assert _mapped(d._store)
+    assert _mapped(d.store)
     out = np.empty(model[sec].shape)
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    assert d._store.read_cached(sec, out)
+    assert d.store.read_cached(sec, out)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0 < 20   # ~300 without
     np.testing.assert_array_equal(out, model[sec])
     d.evict()                                            # unmapped: the pages can go
-    assert not _mapped(d._store)
+    assert not _mapped(d.store)
     np.testing.assert_array_equal(d[sec], model[sec])
     d.delete()
 
@@ -240,9 +240,9 @@ def test_diskarray_evict_drops_pages_and_mapping(tmp_path):
     from common import resident_fraction
     d = cio.DiskArray.create("ev", (512, 512), "f8", path=tmp_path)
     d[...] = 1.0
-    assert d[:].sum() == 512 * 512 and _mapped(d._store)   # hot: through the mapping
+    assert d[:].sum() == 512 * 512 and _mapped(d.store)   # hot: through the mapping
     d.evict()
-    assert not _mapped(d._store)
+    assert not _mapped(d.store)
     resident = resident_fraction(d.path)
     assert resident is not None and resident < 0.5, resident
     assert d[:].sum() == 512 * 512                           # and it reads back correctly

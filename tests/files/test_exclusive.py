@@ -101,13 +101,19 @@ def _open_fds():
 
 
 def test_many_cycles_leave_no_descriptors(store):
-    before = _open_fds()
     buf = np.arange(16, dtype=np.int32)
-    for i in range(5000):
+
+    def cycle(i: int) -> None:
         fh = cio.ExclusiveFile("cycle", "w+", backend=store)
         fh.write(i % 7, buf)
         fh.close()
         fh.delete()
+    cycle(0)        # first use opens what lives for the process (MPI, the job dir): not a leak
+    before = _open_fds()
+    # The count is exact, so one descriptor kept by any cycle fails it: 1000 cycles prove
+    # what 5000 did, in a fifth of the time.
+    for i in range(1, 1000):
+        cycle(i)
     assert _open_fds() == before
 
 

@@ -148,10 +148,10 @@ def test_aligned_direct_groups_go_to_linux_aio(tmp_path):
         data[...] = (np.arange(k) % 251)[:, None]
         offsets = np.random.default_rng(1).permutation(4 * k)[:k] * size
         with cio.ExclusiveFile("grp", "w+", dir=str(tmp_path), direct=True) as f:
-            if f._store._dfd is None:
+            if f.store._dfd is None:
                 pytest.skip("this file system refuses O_DIRECT")
             assert f.awrite_many(offsets, data).wait() == k * size
-            f._store.evict()
+            f.store.evict()
             # more calls at once than the engine has blocks: the rest take the pool
             outs = [cio.aligned_empty((k, size)) for _ in range(12)]
             reqs = [f.aread_many(offsets, o) for o in outs]

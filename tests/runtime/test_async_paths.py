@@ -27,10 +27,10 @@ def test_direct_aligned_requests_use_linux_aio(tmp_path):
         for i, d in enumerate(data):
             d[:] = i
         with cio.ExclusiveFile("aio", "w+", dir=str(tmp_path), direct=True) as f:
-            if f._store._dfd is None:
+            if f.store._dfd is None:
                 pytest.skip("this file system refuses O_DIRECT")
             cio.waitall([f.awrite(i * 4096, data[i]) for i in range(n)])
-            f._store.evict()
+            f.store.evict()
             outs = [cio.aligned_empty(4096, np.uint8) for _ in range(n)]
             reqs = [f.aread(i * 4096, outs[i]) for i in reversed(range(n))]
             cio.waitall(reqs)

@@ -172,7 +172,7 @@ def test_closing_a_store_waits_for_transfers_an_interrupt_cut_off(tmp_path):
     # a request that never reached its file (its caller was interrupted on the way) still
     # has its transfers in flight: the store's close waits for them
     with cio.ExclusiveFile("cutoff", "w+", dir=str(tmp_path), direct=True) as f:
-        store = f._store
+        store = f.store
         if store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
         f.write(0, np.zeros(16 * K, np.uint8))
@@ -191,7 +191,7 @@ def test_an_interrupt_inside_close_still_closes_the_store(raising_alarm, monkeyp
     # open, with nothing left to close it (the file already counted as closed)
     f = cio.ExclusiveFile("close_cut", "w+", backend="shm")
     f.write(0, bytes(100))
-    store, real, closed = f._store, f._store.close, []
+    store, real, closed = f.store, f.store.close, []
 
     def interrupted_close() -> None:
         signal.raise_signal(signal.SIGALRM)
