@@ -113,7 +113,14 @@ class Request:
         if self._state >= DONE:
             return
         t0 = time.perf_counter()
-        end = None if timeout is None else t0 + max(0.0, timeout)
+        self._wait_until(None if timeout is None else t0 + max(0.0, timeout))
+        if self._stats is not None:
+            self._stats.waited(time.perf_counter() - t0)
+        if self._state < DONE:
+            raise TimeoutError(f"request not complete after {timeout} s")
+
+    def _wait_until(self, end: float | None) -> None:
+        """Wait for completion until ``end`` (a ``perf_counter`` time; None: no limit)."""
         lock = self._lock
         while self._state < DONE:
             # the lock opens when the request completes; a waiter takes it and lets the
@@ -124,10 +131,6 @@ class Request:
                 break
             if lock.acquire(timeout=left):
                 lock.release()
-        if self._stats is not None:
-            self._stats.waited(time.perf_counter() - t0)
-        if self._state < DONE:
-            raise TimeoutError(f"request not complete after {timeout} s")
 
     def wait(self, timeout: float | None = None) -> Any:
         self._block(timeout)
@@ -204,14 +207,7 @@ class NativeRequest(Request):
     def settle(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: until complete) for someone to complete
         the request, without raising or counting the wait; return ``done()``."""
-        end = None if timeout is None else time.perf_counter() + max(0.0, timeout)
-        lock = self._lock
-        while self._state < DONE:
-            left = POLL if end is None else min(POLL, end - time.perf_counter())
-            if left < 0:
-                break
-            if lock.acquire(timeout=left):
-                lock.release()
+        self._wait_until(None if timeout is None else time.perf_counter() + max(0.0, timeout))
         return self._state >= DONE
 
     def _block(self, timeout: float | None) -> None:
