@@ -137,9 +137,9 @@ class _Interrupts:
         return False
 
     def __enter__(self):
-        # no finaliser may run under the storm: an interrupted __del__ is an "unraisable"
-        # exception that pytest reports against the test
-        gc.collect()
+        # no cyclic-GC finaliser may run under the storm (an interrupted __del__ is an
+        # "unraisable" exception that pytest reports against the test); not a collection
+        # here either: it could outlast what the test times
         gc.disable()
 
         def handler(sig, frame):
