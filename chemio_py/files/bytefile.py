@@ -101,13 +101,7 @@ def refuse_pointers(mv: memoryview, obj: Any) -> memoryview:
 
 def byte_view(data: Any) -> memoryview:
     """A C-contiguous memoryview of ``data`` (a strided array is copied first)."""
-    try:
-        mv = memoryview(data)
-    except TypeError:
-        raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
-                            f"{type(data).__name__}") from None
-    if mv.format not in _PLAIN_FORMATS:
-        refuse_pointers(mv, data)
+    mv = out_view(data)
     # numpy's stubs make ndarray a Buffer for Python 3.12+ only
     return mv if mv.c_contiguous else memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
 
@@ -118,7 +112,7 @@ def _tail(mv: memoryview, k: int) -> memoryview:
 
 
 def out_view(buf: Any) -> memoryview:
-    """A memoryview of the buffer ``buf`` to read into (the store checks that it is
+    """A memoryview of the buffer ``buf`` (to read into, the store checks that it is
     writable and contiguous); ``ArgumentError`` unless it is a buffer of plain values."""
     try:
         mv = memoryview(buf)
@@ -151,17 +145,6 @@ def read_view(buf: Any, what: str = "read") -> memoryview:
     if mv.format not in _PLAIN_FORMATS:
         refuse_pointers(mv, buf)
     return mv
-
-
-def nbytes_of(buf: Any) -> int:
-    try:
-        mv = memoryview(buf)
-    except TypeError:
-        raise ArgumentError(f"expected a bytes-like object or NumPy array, got "
-                            f"{type(buf).__name__}") from None
-    if mv.format not in _PLAIN_FORMATS:
-        refuse_pointers(mv, buf)
-    return mv.nbytes
 
 
 def _plain_view(buf: Any) -> memoryview:
