@@ -92,7 +92,10 @@ class Eaf(ByteModel):
         self.f.write(off, self.wbuffer(data, aligned))
         self.mwrite(off, data)
         self.ctx.t.op("eaf.write", self.backend)
-        self.stable = max(self.stable, off + n) if len(self.flight) else self.size
+        if not len(self.flight):
+            self.stable = self.size
+        elif n:                 # a write of 0 bytes extends nothing, even past the end
+            self.stable = max(self.stable, off + n)
 
     def read(self, rng, as_bytes: bool = False) -> None:
         off, n, aligned = self.draw_read(rng)

@@ -95,7 +95,8 @@ class Sf(ByteModel):
                     raise Broken()
                 if kind == "write":
                     self.sf.write(off, data)
-                    self.stable = max(self.stable, off + n)
+                    if n:       # a write of 0 bytes extends nothing, even past the end
+                        self.stable = max(self.stable, off + n)
                 else:
                     req = self.sf.awrite(off, data)
                     self.flight.add(req, ((off, off + n),), True, self._awrite_done(n))
