@@ -222,7 +222,7 @@ def buffer_address(mv: memoryview) -> int:
 def byte_span(a: np.ndarray, writable: bool) -> memoryview | None:
     """A flat byte view of the memory array ``a`` spans; None when its strides do not allow."""
     isz = a.itemsize
-    if any(s < 0 or s % isz for s in a.strides):
+    if any(s < 0 or s % isz for n, s in zip(a.shape, a.strides) if n > 1):
         return None
     span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // isz + 1
     flat = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(isz,),

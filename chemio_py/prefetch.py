@@ -38,7 +38,9 @@ import itertools
 import math
 import mmap
 import operator
+import sys
 import time
+import types
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 import numpy as np
@@ -355,8 +357,13 @@ def _ring_array(count: int, dtype: np.dtype) -> np.ndarray:
 
 def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int = 2,
                 out_dtype: Any = None, *, name: str | None = None,
-                direct: bool | None = None) -> Pipeline:
+                direct: bool | None = None, start: int | None = None,
+                stop: int | None = None) -> Pipeline:
     """Read a DiskArray in blocks along ``axis``: yields ``(section, block)``, depth reads ahead.
+
+    ``start``/``stop`` bound the elements read along ``axis`` as a slice ``start:stop``
+    would (negative counts from the end, out-of-range bounds clipped); the blocks start at
+    ``start``.
 
     ``size`` elements per block along ``axis`` (default: the chunk extent there, reduced
     so that a block stays under 64 MiB); the last block is shorter when ``size`` does not
@@ -402,8 +409,12 @@ def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int 
                 return req
         return _as_request(darray.aread(section, view))
 
-    n = shape[ax]
-    full = shape[:ax] + (min(size, n),) + shape[ax + 1:]
+    for v, what in ((start, "start"), (stop, "stop")):
+        if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__")):
+            raise ArgumentError(f"{what} must be an int or None, got {v!r}")
+    lo, n, _ = slice(start, stop).indices(shape[ax])
+    n = max(lo, n)
+    full = shape[:ax] + (min(size, n - lo),) + shape[ax + 1:]
     count = math.prod(full)
     full_nbytes = count * dtype.itemsize
     # a block's section: these slices before and after the one along the axis
@@ -415,7 +426,7 @@ def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int 
         raw = _ring_array(count, dtype).reshape(full)
         return (raw, np.empty(full, odt)) if convert else raw
 
-    def start(k: int, buf: Any) -> tuple:
+    def begin(k: int, buf: Any) -> tuple:
         # runs once per step on the consumer's thread, right after its compute step,
         # with cold caches: kept short
         stop = k + size
@@ -441,9 +452,9 @@ def iter_blocks(darray: Any, axis: int = 0, size: int | None = None, depth: int 
         req = requests.gather([inner], cv, lambda: np.copyto(cv, rv, casting="unsafe"))
         return req, None, (section, cv), rv.nbytes
 
-    keys = range(0, n, size) if count or n else range(0)
+    keys = range(lo, n, size) if count or n > lo else range(0)
     pname = name or f"iter_blocks:{getattr(darray, 'name', None) or 'array'}#{next(_counter)}"
-    return Pipeline(start, keys, make_buffer, depth, name=pname, ramp=len(keys))
+    return Pipeline(begin, keys, make_buffer, depth, name=pname, ramp=len(keys))
 
 
 class WriteBehind:
@@ -587,3 +598,15 @@ class WriteBehind:
 
     def __repr__(self) -> str:
         return f"<WriteBehind {self.name!r} depth={self.depth} {len(self._ops)} in flight>"
+
+
+class _CallableModule(types.ModuleType):
+    """``chemio_py.prefetch`` is this module, and calling it calls ``prefetch()``: both
+    ``from chemio_py import prefetch`` (the module) and ``cio.prefetch(read, keys, make)``
+    (the function) mean what they say."""
+
+    def __call__(self, *args: Any, **kw: Any) -> Pipeline:
+        return prefetch(*args, **kw)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -49,28 +49,9 @@ DEMO_ARGV = ["--atom", _common.WATER, "--basis", "cc-pvtz", "--max-memory", "0.5
 
 
 def _api():
-    """(DiskArray, block_section, iter_blocks) from chemio_py."""
+    """(DiskArray, block_section) from chemio_py."""
     from chemio_py.arrays.diskarray import DiskArray, block_section
-    from chemio_py.prefetch import iter_blocks
-    return (getattr(cio, "DiskArray", DiskArray), getattr(cio, "block_section", block_section),
-            getattr(cio, "iter_blocks", iter_blocks))
-
-
-class Rows:
-    """Indices ``lo:hi`` along ``axis`` of a DiskArray, as an array ``iter_blocks`` can read."""
-
-    def __init__(self, d, lo: int, hi: int, axis: int = 0):
-        self.d, self.lo, self.axis = d, lo, axis
-        shape = list(d.shape)
-        shape[axis] = hi - lo
-        self.shape = tuple(shape)
-        self.dtype, self.chunks, self.name = d.dtype, d.chunks, d.name
-
-    def aread(self, section, out):
-        sec = list(section)
-        s = sec[self.axis]
-        sec[self.axis] = slice(s.start + self.lo, s.stop + self.lo)
-        return self.d.aread(tuple(sec), out)
+    return getattr(cio, "DiskArray", DiskArray), getattr(cio, "block_section", block_section)
 
 
 def block_rows(nocc: int, nvir: int, naux: int, max_memory_mb: float | None, depth: int) -> int:
@@ -163,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.scf_auxbasis is not None and args.scf != "df":
         p.error("--scf-auxbasis needs --scf df")
-    DiskArray, block_section, iter_blocks = _api()
+    DiskArray, block_section = _api()
     run = _common.Run("ri_mp2", args)
     comm = run.comm
     mol = _common.make_mol(args)
@@ -269,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         fit = lambda x: m2c @ x                          # noqa: E731
     nfit = 0
     with cio.WriteBehind(depth=args.depth, name="ri_mp2 fit write") as wb:
-        for sec, blk in iter_blocks(Rows(L, i0, i1, axis=1), axis=1, size=rows,
-                                    depth=args.depth, name="ri_mp2 fit read"):
-            lo, hi = sec[1].start + i0, sec[1].stop + i0
+        for sec, blk in L.iter_blocks(axis=1, size=rows, start=i0, stop=i1,
+                                      depth=args.depth, name="ri_mp2 fit read"):
+            lo, hi = sec[1].start, sec[1].stop
             y = fit(blk.reshape(naux, -1))                            # (Q|ia), fitted
             out = np.ascontiguousarray(y.T).reshape(hi - lo, nvir, naux)  # new per block
             wb.submit(B.awrite, (slice(lo, hi), slice(0, nvir), slice(0, naux)), out)
@@ -305,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                                unit="block"):
         lo, hi = ib * rows, min((ib + 1) * rows, nocc)
         passes += 1
-        for sec, bj in iter_blocks(Rows(B, lo, nocc), size=rows, depth=args.depth,
-                                   name="ri_mp2 j-blocks"):
-            jlo, jhi = sec[0].start + lo, sec[0].stop + lo
+        for sec, bj in B.iter_blocks(size=rows, start=lo, depth=args.depth,
+                                     name="ri_mp2 j-blocks"):
+            jlo, jhi = sec[0].start, sec[0].stop
             e_local += pair_energy(bi, bj, eo[lo:hi], eo[jlo:jhi], ev,
                                    diagonal=jlo == lo, work=work)
     e_corr = float(comm.allreduce(e_local, "sum"))

@@ -312,11 +312,22 @@ def test_offsets_past_the_largest_file_offset(offset):
 
 
 @pytest.mark.parametrize("key", [np.array([True, False, True, False]), [0, 2],
-                                 (np.array([0, 2]),), (slice(None), np.array([1])),
-                                 np.bool_(True)])
-def test_fancy_and_boolean_indexing_is_a_section_error(key):
+                                 (np.array([0, 2]),), (slice(None), np.array([1]))])
+def test_fancy_and_boolean_indexing_is_numpys(key):
+    model = np.arange(16.0).reshape(4, 4)
     with cio.DiskArray.create("fancy", (4, 4), "f8") as d:
-        with pytest.raises(SectionError, match="indexing|list"):
+        d[...] = model
+        assert np.array_equal(d[key], model[key])
+        d[key] = -1.0
+        model[key] = -1.0
+        assert np.array_equal(d[...], model)
+
+
+@pytest.mark.parametrize("key", [np.bool_(True), ([0, 1], [1, 2]), np.ones((4, 4), bool),
+                                 [[0, 1]], np.array([0.5])])
+def test_indexing_numpy_means_otherwise_is_a_section_error(key):
+    with cio.DiskArray.create("fancy", (4, 4), "f8") as d:
+        with pytest.raises(SectionError, match="index"):
             d[key]
         with pytest.raises(SectionError):
             d[key] = 1.0

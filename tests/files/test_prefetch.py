@@ -532,3 +532,18 @@ def test_iter_blocks_eio_surfaces(disk_store, monkeypatch, out_dtype, tmp_path):
 
 def test_pipeline_class_is_the_iterator_type():
     assert isinstance(cio.prefetch(lambda k, b: None, [], lambda: None), Pipeline)
+
+
+def test_chemio_py_prefetch_is_the_module_and_calls_the_function():
+    """``from chemio_py import prefetch`` is the module (its ``iter_blocks``, ``Pipeline``);
+    ``cio.prefetch(read, keys, make)`` still calls the function; the documented
+    ``d.iter_blocks(..., direct=...)`` takes ``direct``."""
+    import chemio_py.prefetch as module
+    from chemio_py import prefetch
+    assert prefetch is module and prefetch.iter_blocks is iter_blocks
+    got = [k for k, _ in cio.prefetch(lambda k, b: None, [3, 1], lambda: np.empty(1))]
+    assert got == [3, 1]
+    with cio.DiskArray.create("pf.direct", (64, 512), "f8") as d:
+        d[...] = 2.0
+        total = sum(float(b.sum()) for _, b in d.iter_blocks(size=16, direct=True))
+        assert total == 2.0 * 64 * 512
