@@ -19,6 +19,7 @@ files a size hint (``soft_limit``) so the decision is taken at creation, or use 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import threading
@@ -34,6 +35,7 @@ from chemio_py.errors import ChemIOError, OutOfSpaceError, SpillWarning, fmt_byt
 from chemio_py.runtime import stats
 from chemio_py.scratch import fs, jobs
 
+_log = logging.getLogger(__name__)
 _spills_lock = threading.Lock()
 _spills: list[dict] = []
 
@@ -49,6 +51,8 @@ def _record_spill(path: str, nbytes: int, t0: float, t1: float, reason: str) -> 
         _spills.append({"path": path, "bytes": nbytes, "seconds": t1 - t0, "reason": reason,
                         "time": time.time()})
     stats.for_file(f"{path} (spilled to disk)", "auto").record("write", nbytes, t0, t1, 0)
+    _log.warning("%s moved from RAM to disk (%d bytes in %.3f s): %s", path, nbytes,
+                 t1 - t0, reason)
     warnings.warn(f"chemio: {path} moved from RAM to disk ({nbytes} bytes in "
                   f"{t1 - t0:.3f} s): {reason}", SpillWarning, stacklevel=2)
 
@@ -227,6 +231,7 @@ class AutoBackend:
 
     name = "auto"
     description = "starts in RAM (shm), spills to local disk when the RAM budget runs out"
+    resizable_arrays = True
 
     def __init__(self):
         self._shm = ShmBackend()
@@ -271,12 +276,17 @@ class AutoBackend:
         return AutoByteStore(self._shm.open_bytes(ram, mode), False, writable, disk)
 
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
-                   reserve: bool = True, perms: int = 0o600) -> Any:
+                   reserve: bool = True, perms: int = 0o600, maxshape: Any = None) -> Any:
         """An array store in RAM, or on disk when the array does not fit the RAM budget.
 
         An array has its full size from creation, so the choice is made then: a new array
-        that would pass the budget is created on disk (recorded as a spill of 0 bytes)."""
+        that would pass the budget is created on disk (recorded as a spill of 0 bytes).
+        A resizable array (``maxshape``) stays where it was created: growing one in RAM
+        past the budget raises ``OutOfSpaceError`` (create it with ``backend="local"``
+        when it may outgrow RAM)."""
         kw = dict(shape=shape, dtype=dtype, chunks=chunks, reserve=reserve, perms=perms)
+        if maxshape is not None:
+            kw["maxshape"] = maxshape
         if not _in_shm_job_dir(path):
             return self._local.open_array(path, mode, **kw)
         ram, disk = os.path.abspath(path), disk_path(path)   # what _pair gives in a job dir

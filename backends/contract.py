@@ -325,6 +325,25 @@ class DaskSource(Protocol):
 
 
 @runtime_checkable
+class Resizable(Protocol):
+    """A store whose shape can change (``DiskArray.resize``/``append``): opened with
+    ``maxshape=`` (see ``ResizableArrays``)."""
+
+    maxshape: tuple
+    """The most each axis may grow to, None for an axis without limit."""
+
+    def resize(self, shape: tuple, comm: Any = None) -> None:
+        """Change the array's shape to ``shape`` (within ``maxshape``; the user layer has
+        checked it). With ``comm`` every rank that opened the object calls it together with
+        the same shape, with no I/O of this array in flight; the object changes once and
+        every rank's store has the new shape when it returns (all return or all raise).
+        Elements inside both shapes keep their values and no stored chunk moves; elements
+        of the new shape outside the old one read as zero (stale bytes of a shrink are
+        zeroed or dropped). Nothing changes when it raises before the object changed
+        (``OutOfSpaceError`` for a growth that does not fit)."""
+
+
+@runtime_checkable
 class LocalClose(Protocol):
     def close_local(self) -> None:
         """Release this process's resources without any collective call (see
@@ -344,6 +363,21 @@ class ArrayOptions(Protocol):
     array_options: frozenset[str]
     """The extra keywords its ``open_array`` takes, which ``DiskArray.create/open(**options)``
     pass on."""
+
+
+@runtime_checkable
+class ResizableArrays(Protocol):
+    resizable_arrays: bool
+    """True when ``open_array`` takes ``maxshape=`` (a tuple, None entries for axes without
+    limit; passed only for resizable arrays) and its stores are ``Resizable``."""
+
+
+@runtime_checkable
+class AttributeWriter(Protocol):
+    def write_attributes(self, path: str, attributes: dict) -> None:
+        """Replace the user attributes kept in the object's own metadata (``zarr``: the
+        ``attributes`` of ``zarr.json``, beside chemio's entry, which stays) in one atomic
+        write. Not collective: the user layer calls it on one rank."""
 
 
 @runtime_checkable
@@ -377,6 +411,7 @@ class Capabilities:
     sync_all: Callable | None = None            # CollectiveSync
     as_dask: Callable | None = None             # DaskSource
     close_local: Callable | None = None         # LocalClose
+    resize: Callable | None = None              # Resizable
     write_streams: int | None = None            # WriteStreams (None: any number)
     read_streams: int | None = None             # ReadStreams (None: any number)
     collective: bool = False                    # CollectiveIO
@@ -413,6 +448,7 @@ def capabilities(store: ByteStore | ArrayStore) -> Capabilities:
         sync_all=store.sync_all if isinstance(store, CollectiveSync) else None,
         as_dask=store.as_dask if isinstance(store, DaskSource) else None,
         close_local=store.close_local if isinstance(store, LocalClose) else None,
+        resize=store.resize if isinstance(store, Resizable) else None,
         write_streams=_count(store.write_streams) if isinstance(store, WriteStreams) else None,
         read_streams=_count(store.read_streams) if isinstance(store, ReadStreams) else None,
         collective=isinstance(store, CollectiveIO) and store.collective is True,
@@ -430,6 +466,8 @@ class BackendCapabilities:
     check_collective: Callable | None = None    # CollectiveCheck
     check_available: Callable | None = None     # Availability
     self_describing: bool = False               # SelfDescribing
+    resizable_arrays: bool = False              # ResizableArrays
+    write_attributes: Callable | None = None    # AttributeWriter
 
 
 def backend_capabilities(backend: Backend) -> BackendCapabilities:
@@ -444,7 +482,11 @@ def backend_capabilities(backend: Backend) -> BackendCapabilities:
         check_collective=backend.check_collective
         if isinstance(backend, CollectiveCheck) else None,
         check_available=backend.check_available if isinstance(backend, Availability) else None,
-        self_describing=isinstance(backend, SelfDescribing))
+        self_describing=isinstance(backend, SelfDescribing),
+        resizable_arrays=isinstance(backend, ResizableArrays)
+        and backend.resizable_arrays is True,
+        write_attributes=backend.write_attributes
+        if isinstance(backend, AttributeWriter) else None)
 
 
 def description(backend: Backend) -> str:

@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 from itertools import product
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 import numpy as np
 
 MIB = 1 << 20
@@ -524,3 +524,56 @@ def block_bounds(n: int, parts: int, index: int, unit: int = 1) -> tuple[int, in
     lo = index * q + min(index, r)
     hi = lo + q + (1 if index < r else 0)
     return min(lo * unit, n), min(hi * unit, n)
+
+
+# ---------------------------------------------------------------- growth (resizable arrays)
+
+def capacity(shape: Sequence[int], chunks: Sequence[int],
+             maxshape: Sequence[int | None] | None = None) -> tuple[int, ...]:
+    """The shape the chunk grid of an array is laid out for: ``shape`` for a fixed array
+    (``maxshape`` None); for a resizable one, axis 0 rounded up to whole chunk rows (at
+    most ``maxshape[0]``) and every other axis at its ``maxshape``. Growing or shrinking
+    axis 0 then adds or drops whole chunk rows at the end of the file, and the other
+    axes already have their room: no chunk of the array ever moves (``Layout`` of the
+    capacity gives every chunk's offset; regions stay inside the logical shape)."""
+    if maxshape is None:
+        return tuple(int(n) for n in shape)
+    m0 = maxshape[0]
+    cap0 = ceil_div(int(shape[0]), int(chunks[0])) * int(chunks[0])
+    if m0 is not None:
+        cap0 = min(cap0, int(m0))
+    rest = []
+    for n, m in zip(shape[1:], maxshape[1:]):
+        if m is None:
+            raise ValueError(f"axis of size {n} is unlimited: only axis 0 of a raw chunk grid "
+                             f"can grow without limit")
+        rest.append(int(m))
+    return (cap0, *rest)
+
+
+def stale_regions(old: Sequence[int], new: Sequence[int], kept: Sequence[int]) -> list[Region]:
+    """Regions of an array of shape ``old`` outside shape ``new`` whose bytes a store
+    keeps after shrinking (``kept[k]``: how far along axis ``k`` it keeps them: the
+    capacity, or the end of the last chunk it keeps). A store zeroes them before it
+    shrinks, so that elements brought back by a later growth read as zero."""
+    out = []
+    for k in range(len(old)):
+        lo, hi = int(new[k]), min(int(old[k]), int(kept[k]))
+        if hi <= lo:
+            continue
+        box = tuple(slice(lo, hi) if j == k else slice(0, min(int(old[j]), int(kept[j])))
+                    for j in range(len(old)))
+        if all(s.stop > s.start for s in box):
+            out.append(box)
+    return out
+
+
+def zero_regions(write: Callable[[Region, np.ndarray], None], regions: Sequence[Region],
+                 chunks: Sequence[int], dtype: np.dtype, limit: int = 16 * MIB) -> None:
+    """Write zeros of ``dtype`` into ``regions`` with ``write(region, zeros)``, in pieces
+    of about ``limit`` bytes cut on chunk boundaries (bounded memory)."""
+    dt = np.dtype(dtype)
+    for r in regions:
+        lay = Layout([s.stop for s in r], chunks, dt.itemsize)
+        for sub in lay.split(r, limit):
+            write(sub, np.zeros(region_shape(sub), dt))

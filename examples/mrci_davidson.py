@@ -1,14 +1,16 @@
-"""MRCI-style Davidson: the lowest root of a CAS Hamiltonian with vectors in a Shared File.
+"""MRCI-style Davidson: the lowest root of a CAS Hamiltonian with its subspace on disk.
 
 The pattern of the MRCI code in the ChemIO paper. The Davidson trial vectors c_k and their
-products sigma_k = H c_k live in one ``cio.SharedFile``, each cut into ``--segments``
-segments (optionally compressed with numcodecs, ``--compress zstd``). H c is PySCF's
+products sigma_k = H c_k live in one growing ``cio.DiskArray`` of shape (k + 1, 2, ndet)
+(``append`` a vector per iteration, ``resize`` back to one row when the subspace
+collapses), each vector in ``--segments`` chunks (compressed on the ``zarr`` backend with
+``--compress zstd``). H c is PySCF's
 ``fci.direct_spin1.contract_2e``, split into ``--tasks`` tasks over blocks of rows of the
 (1e-absorbed) two-electron integrals -- the contraction is linear in them. Ranks take
 tasks from a ``cio.sync.Counter``; each task's partial sigma is added into the shared
 sigma under a ``cio.sync.Mutex``, segment by segment (read, add, write back), with the
 next segment read ahead and the previous one written behind. Rank 0 runs the subspace
-algebra, streaming the vectors segment by segment from the shared file.
+algebra, streaming the vectors segment by segment from the array.
 
     mpiexec -n 3 python -m mpi4py examples/mrci_davidson.py --ncas 6 --nelecas 6
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 import sys
 import time
 
@@ -30,114 +31,86 @@ import _common  # noqa: E402
 import chemio_py as cio  # noqa: E402
 
 TOLERANCE = 1e-8
-_HEADER = struct.Struct("<q")        # compressed slot: payload length, then payload
+class Subspace:
+    """The Davidson subspace in one growing ``cio.DiskArray``: row ``j`` holds the trial
+    vector c_j (``[j, 0]``) and its sigma_j = H c_j (``[j, 1]``), shape ``(k + 1, 2, n)``.
 
-
-class SegmentedVectors:
-    """``nvec`` vectors of length ``n`` in a SharedFile, each cut into ``nseg`` segments.
-
-    Segment ``s`` of vector ``v`` sits in its own fixed-size slot. Uncompressed, a slot
-    is the segment's bytes; compressed, an 8-byte length and the codec's output (a length
-    of 0 means a segment of zeros).
+    A new trial vector is one ``append`` (its sigma row starts as zeros); a collapse to the
+    Ritz vector rewrites row 0 and shrinks the array to one row (``resize``). Each vector
+    is stored in ``nseg`` segments, one chunk each, read ahead and written behind segment
+    by segment. ``--compress zstd`` keeps the array on the ``zarr`` backend with zstd.
     """
 
-    def __init__(self, name: str, nvec: int, n: int, nseg: int, codec, comm, depth: int):
-        self.n, self.nvec, self.codec, self.depth = n, nvec, codec, depth
+    def __init__(self, name: str, n: int, nseg: int, compress: str, comm, depth: int):
+        self.n, self.depth, self.comm = n, depth, comm
         self.nseg = max(1, min(nseg, n))
         self.seglen = math.ceil(n / self.nseg)
         self.nseg = math.ceil(n / self.seglen)
-        raw = self.seglen * 8
-        # zstd's worst case is a little over the input: leave room for it
-        self.slot = raw if codec is None else _HEADER.size + raw + raw // 64 + 256
-        size = nvec * self.nseg * self.slot
-        self.sf = cio.SharedFile(name, soft_limit=size, hard_limit=size, request_size=self.slot,
-                                 comm=comm)
-        if comm.rank == 0:
-            self.sf.truncate(size)          # fixed slots: every slot reads (zeros if unwritten)
-        comm.barrier()
-        self.stored = 0                                  # compressed bytes written here
+        kw = {} if compress == "none" else {"backend": "zarr", "compressor": compress}
+        self.d = cio.DiskArray.create(name, (0, 2, n), "f8", maxshape=(None, 2, n),
+                                      chunks=(1, 1, self.seglen), comm=comm, **kw)
 
     def bounds(self, s: int) -> tuple[int, int]:
         lo = s * self.seglen
         return lo, min(lo + self.seglen, self.n)
 
-    def _offset(self, v: int, s: int) -> int:
-        return (v * self.nseg + s) * self.slot
-
-    # ---------------------------------------------------------------- one segment
-    def _encode(self, data: np.ndarray) -> bytes:
-        if not np.any(data):
-            return _HEADER.pack(0)
-        enc = bytes(self.codec.encode(np.ascontiguousarray(data)))
-        return _HEADER.pack(len(enc)) + enc
-
-    def awrite(self, v: int, s: int, data: np.ndarray) -> cio.Request:
-        """Start writing segment ``s`` of vector ``v``; ``data`` must stay unmodified."""
-        if self.codec is None:
-            return self.sf.awrite(self._offset(v, s), data)
-        blob = self._encode(data)
-        self.stored += len(blob)
-        return self.sf.awrite(self._offset(v, s), blob)
-
-    def _read_blocking(self, key: tuple, buf: np.ndarray) -> np.ndarray:
-        v, s = key
+    def _section(self, key: tuple) -> tuple:
+        j, which, s = key
         lo, hi = self.bounds(s)
-        out = buf[:hi - lo]
-        if self.codec is None:
-            return self.sf.read(self._offset(v, s), out)
-        raw = np.empty(self.slot, np.uint8)
-        self.sf.read(self._offset(v, s), raw)
-        (m,) = _HEADER.unpack_from(raw, 0)
-        if m == 0:
-            out[:] = 0.0
-        else:
-            self.codec.decode(raw[_HEADER.size:_HEADER.size + m], out=out)
-        return out
+        return (j, which, slice(lo, hi))
+
+    # ---------------------------------------------------------------- segments
+    def awrite(self, key: tuple, data: np.ndarray) -> cio.Request:
+        """Start writing segment ``key`` = (row, 0 or 1, segment); ``data`` stays as is."""
+        return self.d.awrite(self._section(key), data)
 
     def segments(self, keys, depth: int | None = None):
-        """``(key, segment)`` for ``keys`` = [(vector, segment), ...], read ahead."""
+        """``(key, segment)`` for ``keys`` = [(row, 0 or 1, segment), ...], read ahead."""
         depth = self.depth if depth is None else depth
-        make = lambda: np.empty(self.seglen)  # noqa: E731
-        if self.codec is None:
-            def read_into(key, buf):
-                lo, hi = self.bounds(key[1])
-                return self.sf.aread(self._offset(*key), buf[:hi - lo])
-            return cio.prefetch(read_into, keys, make, depth=depth)
-        return cio.prefetch(self._read_blocking, keys, make, depth=depth, blocking=True)
+
+        def read_into(key, buf):
+            lo, hi = self.bounds(key[2])
+            return self.d.aread(self._section(key), buf[:hi - lo])
+        return cio.prefetch(read_into, keys, lambda: np.empty(self.seglen), depth=depth)
 
     # ---------------------------------------------------------------- whole vectors
-    def read(self, v: int) -> np.ndarray:
-        x = np.empty(self.n)
-        for (_, s), seg in self.segments([(v, s) for s in range(self.nseg)]):
-            lo, hi = self.bounds(s)
-            x[lo:hi] = seg
-        return x
+    def read(self, j: int, which: int) -> np.ndarray:
+        return self.d[j, which, :]
 
-    def write(self, v: int, x: np.ndarray) -> None:
-        with cio.WriteBehind(depth=self.depth) as wb:
-            for s in range(self.nseg):
-                lo, hi = self.bounds(s)
-                wb.submit(self.awrite, v, s, x[lo:hi])
+    def append(self, c: np.ndarray) -> int:
+        """Collective: add trial vector ``c`` (the same on every rank) with a zero sigma."""
+        return self.d.append(np.stack([c, np.zeros_like(c)]))[0] - 1
 
-    def accumulate(self, v: int, partial: np.ndarray, mutex) -> None:
-        """vector v += partial, segment by segment under ``mutex`` (read, add, write back)."""
+    def collapse(self) -> None:
+        """Collective: keep row 0 only."""
+        self.d.resize(1, axis=0)
+
+    def accumulate(self, j: int, partial: np.ndarray, mutex) -> None:
+        """sigma_j += partial, segment by segment under ``mutex`` (read, add, write back)."""
         ring = [np.empty(self.seglen) for _ in range(self.depth + 1)]
         with mutex:
             with cio.WriteBehind(depth=self.depth) as wb:
-                pairs = [(v, s) for s in range(self.nseg)]
-                for k, ((_, s), seg) in enumerate(self.segments(pairs)):
-                    lo, hi = self.bounds(s)
+                keys = [(j, 1, s) for s in range(self.nseg)]
+                for k, (key, seg) in enumerate(self.segments(keys)):
+                    lo, hi = self.bounds(key[2])
                     out = ring[k % len(ring)][:hi - lo]   # free: its write completed
                     np.add(seg, partial[lo:hi], out=out)
-                    wb.submit(self.awrite, v, s, out)
+                    wb.submit(self.awrite, key, out)
             # leaving the WriteBehind waited for every write: safe to release the mutex
 
-    def combine(self, coeffs: dict[int, float], s: int, cache: dict) -> np.ndarray:
+    def combine(self, coeffs: dict[tuple, float], s: int, cache: dict) -> np.ndarray:
         lo, hi = self.bounds(s)
         out = np.zeros(hi - lo)
         for v, a in coeffs.items():
             out += a * cache[v]
         return out
+
+    def stored_bytes(self) -> int:
+        """Bytes the array's files take (compressed ones for ``zarr``)."""
+        total = 0
+        for root, _dirs, files in os.walk(self.d.path):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        return total if os.path.isdir(self.d.path) else os.path.getsize(self.d.path)
 
 
 def cas_problem(run, args):
@@ -177,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conv", type=float, default=1e-10, help="energy convergence (Eh)")
     p.add_argument("--max-cycle", type=int, default=100)
     p.add_argument("--compress", choices=["none", "zstd"], default="none",
-                   help="compress each segment with numcodecs")
+                   help="keep the subspace compressed (zarr backend, zstd)")
     p.add_argument("--depth", type=int, default=1, help="segments read ahead / written behind")
     args = p.parse_args(argv)
     run = _common.Run("mrci_davidson", args)
@@ -190,25 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     na = fci.cistring.num_strings(norb, nelec[0])
     nb = fci.cistring.num_strings(norb, nelec[1])
     ndet = na * nb
-    codec = None
-    if args.compress == "zstd":
-        import numcodecs
-        codec = numcodecs.Zstd(level=1)
     nseg = args.segments
     if args.max_memory is not None:       # the streamed subspace steps hold a few segments
         seglen = max(1, int(args.max_memory * 1e6 / (8 * 3 * (args.depth + 1))))
         nseg = max(nseg, math.ceil(ndet / seglen))
     space = max(3, min(args.max_space, ndet))
-    vecs = SegmentedVectors("davidson.vectors", 2 * space, ndet, nseg, codec, comm,
-                            args.depth)
-    C = lambda k: k            # noqa: E731  trial vector k
-    S = lambda k: space + k    # noqa: E731  its sigma vector
+    vecs = Subspace("davidson.subspace", ndet, nseg, args.compress, comm, args.depth)
+    C = lambda k: (k, 0)       # noqa: E731  trial vector k: row k, plane 0
+    S = lambda k: (k, 1)       # noqa: E731  its sigma vector: plane 1
     npair = h2.shape[0]
     ntasks = max(1, min(args.tasks, npair))
     rows = np.linspace(0, npair, ntasks + 1).round().astype(int)
     run.log(f"CAS({sum(nelec)}e,{norb}o) of {nao} basis functions: {ndet} determinants in "
-            f"{vecs.nseg} segments of {vecs.seglen}; shared file of {2 * space} vectors "
-            f"({vecs.sf.soft_limit / 2**20:.2f} MiB), compress={args.compress}; "
+            f"{vecs.nseg} segments of {vecs.seglen}; subspace of up to {space} vector pairs "
+            f"in one growing DiskArray ({2 * space * ndet * 8 / 2**20:.2f} MiB at most, "
+            f"backend {vecs.d.backend}), compress={args.compress}; "
             f"{ntasks} tasks per H.c over {comm.size} rank(s)")
 
     loop = _common.SharedLoop(comm)
@@ -218,53 +187,50 @@ def main(argv: list[str] | None = None) -> int:
 
     def sigma(k: int) -> int:
         """sigma_k += H c_k, tasks shared by all ranks (sigma_k was zeroed); collective."""
-        c = vecs.read(C(k)).reshape(na, nb)
+        c = vecs.read(*C(k)).reshape(na, nb)
         done = 0
         for t in loop.tasks(ntasks):
             block = np.zeros_like(h2)
             block[rows[t]:rows[t + 1]] = h2[rows[t]:rows[t + 1]]
             part = direct_spin1.contract_2e(block, c, norb, nelec, link_index=link)
-            vecs.accumulate(S(k), part.ravel(), mutex)
+            vecs.accumulate(k, part.ravel(), mutex)
             done += 1
-        comm.barrier()                          # every partial sigma is in the file
+        comm.barrier()                          # every partial sigma is in the array
         return done
 
-    zeros = np.zeros(ndet)
+    x0 = np.zeros(ndet)
+    x0[int(np.argmin(hdiag))] = 1.0
+    k = vecs.append(x0)                         # every rank: the same first vector
     status = None
-    if run.root:
-        x0 = np.zeros(ndet)
-        x0[int(np.argmin(hdiag))] = 1.0
-        vecs.write(C(0), x0)
-        vecs.write(S(0), zeros)
-    comm.barrier()
-    k = 0                       # newest trial vector
     heff = np.zeros((space, space))
     theta_old, theta, it, converged = None, None, 0, False
     for it in run.progress(range(1, args.max_cycle + 1), "Davidson iterations", unit="iter"):
         t_it = time.perf_counter()
         mine = sigma(k)
+        collapsed, new = False, None
         if run.root:
             # subspace matrix column k, streamed segment by segment
-            keys = [(v, s) for s in range(vecs.nseg) for v in [S(k)] + [C(j) for j in range(k + 1)]]
+            keys = [(*v, s) for s in range(vecs.nseg)
+                    for v in [S(k)] + [C(j) for j in range(k + 1)]]
             col = np.zeros(k + 1)
             cur = None
-            for (v, _s), seg in vecs.segments(keys):
-                if v == S(k):
+            for (j, which, _s), seg in vecs.segments(keys):
+                if which == 1:
                     cur = seg.copy()
                 else:
-                    col[v] += seg @ cur
+                    col[j] += seg @ cur
             heff[:k + 1, k] = heff[k, :k + 1] = col
             w, u = np.linalg.eigh(heff[:k + 1, :k + 1])
             theta, alpha = float(w[0]), u[:, 0]
             # residual r = sum_j alpha_j (sigma_j - theta c_j); Ritz vector parts as needed
             r = np.empty(ndet)
-            for (v, s), seg in vecs.segments([(v, s) for s in range(vecs.nseg)
-                                              for j in range(k + 1) for v in (C(j), S(j))]):
+            for (j, which, s), seg in vecs.segments([(*v, s) for s in range(vecs.nseg)
+                                                     for i in range(k + 1)
+                                                     for v in (C(i), S(i))]):
                 lo, hi = vecs.bounds(s)
-                j = v if v < space else v - space
-                if v == C(0):
+                if (j, which) == C(0):
                     r[lo:hi] = 0.0
-                r[lo:hi] += alpha[j] * (seg if v >= space else -theta * seg)
+                r[lo:hi] += alpha[j] * (seg if which == 1 else -theta * seg)
             rnorm = float(np.linalg.norm(r))
             de = float("inf") if theta_old is None else theta - theta_old
             converged = abs(de) < args.conv and rnorm < 1e-5
@@ -272,23 +238,25 @@ def main(argv: list[str] | None = None) -> int:
                     f"{rnorm:.2e}  subspace {k + 1}  tasks here {mine} "
                     f"({time.perf_counter() - t_it:.2f} s)")
             theta_old = theta
-            status = ("done", theta, 0)
             if not converged:
                 if k + 1 == space:
-                    # collapse to the Ritz vector: x = sum a_j c_j, sigma_x = sum a_j sigma_j
+                    # collapse to the Ritz vector: x = sum a_j c_j, sigma_x = sum a_j sigma_j,
+                    # written into row 0; the array then shrinks to that row (all ranks)
                     alive = {j: float(alpha[j]) for j in range(k + 1)}
                     with cio.WriteBehind(depth=args.depth) as wb:
                         for s in range(vecs.nseg):
-                            cache = {v: seg.copy() for (v, _), seg in vecs.segments(
-                                [(C(j), s) for j in alive] + [(S(j), s) for j in alive])}
+                            cache = {(j, which): seg.copy() for (j, which, _), seg in
+                                     vecs.segments([(*C(j), s) for j in alive]
+                                                   + [(*S(j), s) for j in alive])}
                             x = vecs.combine({C(j): a for j, a in alive.items()}, s, cache)
                             sx = vecs.combine({S(j): a for j, a in alive.items()}, s, cache)
-                            wb.submit(vecs.awrite, C(0), s, x)
-                            wb.submit(vecs.awrite, S(0), s, sx)
+                            wb.submit(vecs.awrite, (*C(0), s), x)
+                            wb.submit(vecs.awrite, (*S(0), s), sx)
                             wb.flush()                 # x and sx are rebuilt next segment
                     heff[:] = 0.0
                     heff[0, 0] = theta
                     k = 0
+                    collapsed = True
                     run.log("subspace collapsed to the Ritz vector")
                 # Davidson correction, then orthogonalise to the subspace (twice)
                 denom = theta - hdiag
@@ -296,32 +264,32 @@ def main(argv: list[str] | None = None) -> int:
                 t = r / denom
                 for _ in range(2):
                     dots = np.zeros(k + 1)
-                    for (v, s), seg in vecs.segments([(C(j), s) for s in range(vecs.nseg)
-                                                      for j in range(k + 1)]):
+                    for (j, _w, s), seg in vecs.segments([(*C(j), s) for s in range(vecs.nseg)
+                                                          for j in range(k + 1)]):
                         lo, hi = vecs.bounds(s)
-                        dots[v] += seg @ t[lo:hi]
-                    for (v, s), seg in vecs.segments([(C(j), s) for s in range(vecs.nseg)
-                                                      for j in range(k + 1)]):
+                        dots[j] += seg @ t[lo:hi]
+                    for (j, _w, s), seg in vecs.segments([(*C(j), s) for s in range(vecs.nseg)
+                                                          for j in range(k + 1)]):
                         lo, hi = vecs.bounds(s)
-                        t[lo:hi] -= dots[v] * seg
+                        t[lo:hi] -= dots[j] * seg
                 tn = float(np.linalg.norm(t))
                 if tn < 1e-14:
                     converged = True
                 else:
-                    k += 1
-                    vecs.write(C(k), t / tn)
-                    vecs.write(S(k), zeros)
-                    status = ("go", theta, k)
-            if converged:
-                status = ("done", theta, k)
+                    new = t / tn
+            status = ("done" if converged else "go", theta, collapsed, new)
         status = comm.bcast(status)
-        theta, k = status[1], status[2]
+        theta, collapsed, new = status[1], status[2], status[3]
+        if collapsed:
+            vecs.collapse()                     # collective: rows beyond the Ritz vector go
+            k = 0
         if status[0] == "done":
             converged = True
             break
+        k = vecs.append(new)                    # collective: one vector more
     energy = float(theta + ecore)
-    stored = comm.allreduce(vecs.stored) if codec is not None else None
-    vecs.sf.destroy()
+    stored = vecs.stored_bytes() if args.compress != "none" else None
+    vecs.d.close()
     mutex.free()
     loop.free()
     run.log(f"E(Davidson) = {energy:.12f}   E(PySCF CASCI) = {ref:.12f}   "

@@ -17,6 +17,7 @@ import errno
 import functools
 import math
 import mmap
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,8 @@ from chemio_py.backends.posix import (
 from chemio_py.errors import OutOfSpaceError, StorageError
 from chemio_py.runtime import config
 from chemio_py.scratch import fs
+
+_log = logging.getLogger(__name__)
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
@@ -360,6 +363,7 @@ class LocalBackend(ScratchPlaces):
 
     name = "local"
     description = "POSIX files (preadv/pwritev, posix_fallocate, optional O_DIRECT)"
+    resizable_arrays = True
 
     def open_bytes(self, path: str, mode: str, *, direct: bool | None = None) -> LocalByteStore:
         if mode not in _MODES:
@@ -376,18 +380,20 @@ class LocalBackend(ScratchPlaces):
 
     # ------------------------------------------------------------ the ArrayStore half
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
-                   reserve: bool = True, perms: int = 0o600) -> "LocalArrayStore":
+                   reserve: bool = True, perms: int = 0o600,
+                   maxshape: Any = None) -> "LocalArrayStore":
         """Open the data file of an array in the raw grid format (``chemio_py.backends.grid``).
 
         ``w+``/``x+`` create it at its full size (holes read as zero) after a free-space
         check and, with ``reserve``, allocate its blocks up front (``OutOfSpaceError`` now
         rather than half-way). ``r``/``r+`` require the file to have exactly the array's size.
+        A resizable array (``maxshape``) is laid out for its capacity (``grid.capacity``).
         """
-        from chemio_py.backends.grid import Layout
+        from chemio_py.backends.grid import Layout, capacity
         from chemio_py.errors import MetadataError
         if mode not in _MODES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
-        layout = Layout(shape, chunks, np.dtype(dtype).itemsize)
+        layout = Layout(capacity(shape, chunks, maxshape), chunks, np.dtype(dtype).itemsize)
         create = mode in ("w+", "x+")
         if create:
             have = 0
@@ -429,7 +435,7 @@ class LocalBackend(ScratchPlaces):
                 except OSError:
                     pass
             raise
-        return LocalArrayStore(path, fd, mode != "r", layout, np.dtype(dtype))
+        return LocalArrayStore(path, fd, mode != "r", layout, np.dtype(dtype), shape, maxshape)
 
 
 class LocalArrayStore(_PosixFile):
@@ -449,12 +455,14 @@ class LocalArrayStore(_PosixFile):
     # contend (measured on ext4: 16 writers of a 128 MB section lose 10-15 % against 2).
     write_streams = 2
 
-    def __init__(self, path: str, fd: int, writable: bool, layout: Any, dtype: Any = None):
+    def __init__(self, path: str, fd: int, writable: bool, layout: Any, dtype: Any = None,
+                 shape: Any = None, maxshape: Any = None):
         self.path = path
         self._fd = fd
         self.writable = writable
-        self.layout = layout
-        self.shape = layout.shape
+        self.layout = layout                       # of the capacity (a resizable array)
+        self.shape = layout.shape if shape is None else tuple(int(n) for n in shape)
+        self.maxshape = self.shape if maxshape is None else tuple(maxshape)
         self.chunks = layout.chunks
         self.dtype = np.dtype(dtype if dtype is not None else f"V{layout.itemsize}")
         self._map: Any = None                      # (mmap, uint8 view, address), on demand
@@ -795,6 +803,8 @@ class LocalArrayStore(_PosixFile):
             assert m.base is not None               # pinned: not released
             self.layout.copy_blocks(region, m.base, self.dtype, out, False, blocks)
             if m.guard.poisoned:                # the file shrank under the copy
+                _log.warning("%s shrank under a mapped read (SIGBUS caught); reading it with "
+                             "system calls instead", self.path)
                 with maps_lock:
                     if live_maps.get(id(self)) is m:
                         drop_map(id(self))
@@ -992,7 +1002,7 @@ class LocalArrayStore(_PosixFile):
         addresses and lengths (lists for a single transfer, else arrays), runs longer than
         ``REGION_PIECE`` cut; None when one is not 4096-aligned or there are more than the
         AIO queue takes at once."""
-        shape, chunks = self.shape, self.chunks
+        shape, chunks = self.layout.shape, self.chunks
         if out.flags.c_contiguous and all(
                 s.start == 0 and s.stop == k == c
                 for s, k, c in zip(region[1:], shape[1:], chunks[1:])):
@@ -1033,6 +1043,62 @@ class LocalArrayStore(_PosixFile):
     def write_all(self, region: Any, data: np.ndarray, comm: Any = None) -> None:
         self.write(region, data)
 
+    def resize(self, shape: Any, comm: Any = None) -> None:
+        """``Resizable.resize``: rank 0 zeroes what a shrink leaves in the file outside the
+        new shape, then sets the file to the new capacity (a growth is checked against
+        the free space and allocated first: ``OutOfSpaceError`` changes nothing); every
+        rank then drops its mappings and plans and takes the new shape."""
+        from chemio_py.backends.grid import Layout, capacity
+        new = tuple(int(n) for n in shape)
+        lay = Layout(capacity(new, self.chunks, self.maxshape), self.chunks, self.layout.itemsize)
+        with _agree(comm, f"resize array {self.path}"):
+            if comm is None or comm.rank == 0:
+                self._resize_file(new, lay)
+        self._forget_maps()
+        self.layout, self.shape = lay, new
+        self._map_write_ok = None
+
+    def _resize_file(self, new: tuple, lay: Any) -> None:
+        from chemio_py.backends.grid import stale_regions, zero_regions
+        if not self.writable:
+            raise StorageError(errno.EBADF, self.path, None, None, "resize",
+                               "the array store is open read-only")
+        old_n, n = self.layout.nbytes, lay.nbytes
+        if n > old_n:
+            have = os.fstat(self._fd).st_blocks * 512
+            fs.check_space(self.path, n - have, what=f"grow the array to {n} bytes",
+                           free=self._free())
+            err = fallocate_keep_size(self._fd, n)
+            if err in _SPACE_ERRNOS:
+                raise OutOfSpaceError(self.path, n - have, self._free(), what="grow the array")
+        kept = (min(lay.shape[0], self.layout.shape[0]), *self.layout.shape[1:])
+        zero_regions(self.write, stale_regions(self.shape, new, kept), self.chunks,
+                     self.dtype)
+        self._forget_maps()
+        try:
+            os.ftruncate(self._fd, n)
+        except OSError as e:
+            raise StorageError(e.errno, self.path, None, n, "resize") from e
+
+    def _forget_maps(self) -> None:
+        """Drop the mappings and plans made for the old size."""
+        with maps_lock:
+            drop_map(id(self))
+        with self._map_lock:
+            self._unmap()
+        self._plans.clear()
+
+    def _unmap(self) -> None:
+        """Close this store's own mapping (a view still alive elsewhere: the GC unmaps)."""
+        m, self._map = self._map, None
+        if m is not None:
+            mm = m[0]
+            del m
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
     def evict(self) -> None:
         """Unmap the file (read mapping and mapped pages of writes), then drop its pages
         from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
@@ -1053,14 +1119,7 @@ class LocalArrayStore(_PosixFile):
         dfd, self._region_dfd = self._region_dfd, -1
         if dfd is not None and dfd >= 0:
             os.close(dfd)
-        m, self._map = self._map, None
-        if m is not None:
-            mm = m[0]
-            del m
-            try:
-                mm.close()
-            except BufferError:             # a view is still alive somewhere: let GC unmap
-                pass
+        self._unmap()
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
@@ -1070,3 +1129,16 @@ class LocalArrayStore(_PosixFile):
             self.close()
         except Exception:
             pass
+
+
+class _NoAgreement:
+    def __enter__(self) -> "_NoAgreement":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _agree(comm: Any, what: str) -> Any:
+    """``comm.agree(what)``, or nothing for a store of one process."""
+    return _NoAgreement() if comm is None else comm.agree(what)

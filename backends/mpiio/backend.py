@@ -654,7 +654,8 @@ class MpiioArrayStore(_MpiStore):
     write_streams = 1
 
     def __init__(self, path: str, fd: int, fc: Any, writable: bool, layout: Any,
-                 dtype: Any, comm: Any, mpi_comm: Any):
+                 dtype: Any, comm: Any, mpi_comm: Any, shape: Any = None,
+                 maxshape: Any = None):
         MPI = _mpi()
         self.path = path
         self._fd = fd                   # -1 until flush needs it (rank 0: from the open)
@@ -664,8 +665,9 @@ class MpiioArrayStore(_MpiStore):
         # by this rank's first read/write
         self._fi: Any = fc if self._private else None
         self.writable = writable
-        self.layout = layout
-        self.shape = layout.shape
+        self.layout = layout                       # of the capacity (a resizable array)
+        self.shape = layout.shape if shape is None else tuple(int(n) for n in shape)
+        self.maxshape = self.shape if maxshape is None else tuple(maxshape)
         self.chunks = layout.chunks
         self.dtype = np.dtype(dtype)
         self._comm = comm
@@ -753,6 +755,45 @@ class MpiioArrayStore(_MpiStore):
         """Fill ``out`` (the region's shape, this array's dtype) from the file; returns it."""
         self._independent(False, region, out)
         return out
+
+    def resize(self, shape: Any, comm: Any = None) -> None:
+        """``Resizable.resize``, on every rank of the store's communicator: rank 0 zeroes
+        what a shrink leaves in the file outside the new shape (independent writes, then
+        synced), then sets the file to the new capacity with its own descriptor (a growth
+        checked against the free space and allocated first); every rank then takes the new
+        shape. The MPI handles stay open (the file keeps its name and inode)."""
+        from chemio_py.backends.grid import Layout, capacity, stale_regions, zero_regions
+        new = tuple(int(n) for n in shape)
+        lay = Layout(capacity(new, self.chunks, self.maxshape), self.chunks,
+                     self.layout.itemsize)
+        c = self._comm
+        with c.agree(f"resize array {self.path}"):
+            if not self.writable:
+                raise StorageError(errno.EBADF, self.path, None, None, "resize",
+                                   "the array store is open read-only")
+            if c.rank == 0:
+                old_n, n = self.layout.nbytes, lay.nbytes
+                kept = (min(lay.shape[0], self.layout.shape[0]), *self.layout.shape[1:])
+                stale = stale_regions(self.shape, new, kept)
+                if stale:
+                    zero_regions(self.write, stale, self.chunks, self.dtype)
+                    with self._lock:
+                        if self._fi is not None:
+                            self._fi.Sync()
+                if self._fd < 0:
+                    self._fd = _open_fd(self.path, "r+")
+                have = os.fstat(self._fd).st_blocks * 512
+                if n > old_n:
+                    fs.check_space(self.path, n - have, what=f"grow the array to {n} bytes")
+                    err = fallocate_keep_size(self._fd, n)
+                    if err in _SPACE_ERRNOS:
+                        raise OutOfSpaceError(self.path, n - have, _free_space(self._fd),
+                                              what="grow the array")
+                try:
+                    os.ftruncate(self._fd, n)
+                except OSError as e:
+                    raise StorageError(e.errno, self.path, None, n, "resize") from e
+        self.layout, self.shape = lay, new
 
     def write(self, region: Any, data: np.ndarray) -> None:
         """Write ``data`` (the region's shape, this array's dtype) into the region."""
@@ -871,6 +912,7 @@ class MpiioBackend(ScratchPlaces):
                    "from the mpiio_hints setting)")
     collective_open = True
     array_formats = ("grid",)
+    resizable_arrays = True
 
     def check_available(self) -> None:
         try:
@@ -904,16 +946,16 @@ class MpiioBackend(ScratchPlaces):
 
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
                    comm: Any = None, perms: int = 0o600, attributes: Any = None,
-                   reserve: bool = True) -> MpiioArrayStore:
+                   reserve: bool = True, maxshape: Any = None) -> MpiioArrayStore:
         """Open or create an array's data file in the raw grid format on every rank of
         ``comm`` together. ``w+``/``x+``: rank 0 creates it at its full size after a
         free-space check and (``reserve``) allocates its blocks; ``r``/``r+``: the file
         must have exactly the array's size (``MetadataError``)."""
-        from chemio_py.backends.grid import Layout
+        from chemio_py.backends.grid import Layout, capacity
         if mode not in _MODES:
             raise ValueError(f"mode {mode!r} is not one of {list(_MODES)}")
         dt = np.dtype(dtype)
-        layout = Layout(shape, chunks, dt.itemsize)
+        layout = Layout(capacity(shape, chunks, maxshape), chunks, dt.itemsize)
         c, mc = _comms(comm)
         create = mode in ("w+", "x+")
         fd = -1
@@ -945,7 +987,7 @@ class MpiioBackend(ScratchPlaces):
                 except OSError:
                     pass
             raise
-        return MpiioArrayStore(path, fd, fc, mode != "r", layout, dt, c, mc)
+        return MpiioArrayStore(path, fd, fc, mode != "r", layout, dt, c, mc, shape, maxshape)
 
 
 def _create_array(path: str, mode: str, layout: Any, perms: int, reserve: bool) -> int:

@@ -43,6 +43,7 @@ import fcntl
 import os
 import stat
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -349,12 +350,14 @@ class ShmArrayStore:
 
     byte_addressable = True
 
-    def __init__(self, seg: ShmByteStore, layout: Any, dtype: np.dtype):
+    def __init__(self, seg: ShmByteStore, layout: Any, dtype: np.dtype, shape: Any = None,
+                 maxshape: Any = None):
         self._seg = seg
         self.path = seg.path
         self.writable = seg.writable
-        self.layout = layout
-        self.shape = layout.shape
+        self.layout = layout                       # of the capacity (a resizable array)
+        self.shape = layout.shape if shape is None else tuple(int(n) for n in shape)
+        self.maxshape = self.shape if maxshape is None else tuple(maxshape)
         self.chunks = layout.chunks
         self.dtype = dtype
 
@@ -424,6 +427,34 @@ class ShmArrayStore:
 
     def write_all(self, region: Any, data: np.ndarray, comm: Any = None) -> None:
         self.write(region, data)
+
+    def resize(self, shape: Any, comm: Any = None) -> None:
+        """``Resizable.resize``: rank 0 zeroes what a shrink leaves in the segment outside
+        the new shape and sets the segment to the new capacity (a growth allocates every
+        byte after a RAM-budget check: ``OutOfSpaceError`` changes nothing); every rank
+        then maps the new size and takes the new shape."""
+        from chemio_py.backends.grid import Layout, capacity, stale_regions, zero_regions
+        new = tuple(int(n) for n in shape)
+        lay = Layout(capacity(new, self.chunks, self.maxshape), self.chunks,
+                     self.layout.itemsize)
+        what = f"resize array {self.path}"
+        with (nullcontext() if comm is None else comm.agree(what)):
+            if comm is None or comm.rank == 0:
+                if not self.writable:
+                    raise StorageError(errno.EBADF, self.path, None, None, "resize",
+                                       "the array store is open read-only")
+                if lay.nbytes > self.layout.nbytes:
+                    self._seg.truncate(lay.nbytes)      # budget first: nothing lost on failure
+                kept = (min(lay.shape[0], self.layout.shape[0]), *self.layout.shape[1:])
+                zero_regions(self.write, stale_regions(self.shape, new, kept),
+                             self.chunks, self.dtype)
+                if lay.nbytes < self.layout.nbytes:
+                    self._seg.truncate(lay.nbytes)
+        with (nullcontext() if comm is None else comm.agree(what)):
+            w = self._seg._window()
+            if lay.nbytes > w.length:
+                self._seg._remap(lay.nbytes)
+        self.layout, self.shape = lay, new
 
     def size(self) -> int:
         return self._seg.size()
@@ -604,6 +635,7 @@ class ShmBackend:
 
     name = "shm"
     node_local = True
+    resizable_arrays = True
 
     @property
     def description(self) -> str:
@@ -651,7 +683,8 @@ class ShmBackend:
         return store
 
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
-                   reserve: bool = True, perms: int = 0o600) -> ShmArrayStore:
+                   reserve: bool = True, perms: int = 0o600,
+                   maxshape: Any = None) -> ShmArrayStore:
         """Open the RAM segment of an array in the raw grid format (``chemio_py.backends.grid``).
 
         ``w+``/``x+`` create it at its full size, every byte allocated after a RAM-budget
@@ -660,12 +693,12 @@ class ShmBackend:
         require exactly the array's size. ``reserve`` is accepted for compatibility (RAM is
         always reserved).
         """
-        from chemio_py.backends.grid import Layout
+        from chemio_py.backends.grid import Layout, capacity
         from chemio_py.errors import MetadataError
         if mode not in _MODES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(_MODES)}")
         dt = np.dtype(dtype)
-        layout = Layout(shape, chunks, dt.itemsize)
+        layout = Layout(capacity(shape, chunks, maxshape), chunks, dt.itemsize)
         if mode == "w+":
             retire(path)
         fd, created = open_segment(path, "x+" if mode == "w+" else mode, perms)
@@ -690,7 +723,7 @@ class ShmBackend:
         except BaseException:
             _discard(seg, fd, path, created)
             raise
-        return ShmArrayStore(seg, layout, dt)
+        return ShmArrayStore(seg, layout, dt, shape, maxshape)
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

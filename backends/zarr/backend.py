@@ -72,6 +72,7 @@ from chemio_py.errors import (
     ChemIOError,
     CollectiveError,
     MetadataError,
+    ModeError,
     OutOfSpaceError,
     StorageError,
 )
@@ -187,6 +188,7 @@ class ZarrArrayStore:
         self.meta = meta
         self.shape = meta.shape
         self.chunks = meta.chunks
+        self.maxshape = meta.shape              # a resizable array's: set by open_array
         self.dtype = meta.dtype
         self.writable = writable
         self._perms = perms & 0o666
@@ -203,6 +205,7 @@ class ZarrArrayStore:
         self._lock_path = os.path.join(path, zf.META_NAME)
         self.lock = bool(lock is True and writable)
         self._object_limit = meta.stored_bound
+        self._zarr_python: Any = None           # zarr.Array of a foreign array, once read
         if self.lock:
             try:
                 self._lockfd = self._open_lock_file()
@@ -766,8 +769,12 @@ class ZarrArrayStore:
 
     # ------------------------------------------------------------ the ArrayStore API
     def read(self, region: tuple, out: np.ndarray) -> np.ndarray:
-        """Fill ``out`` from ``region``; absent objects read as the fill value (zero)."""
+        """Fill ``out`` from ``region``; absent objects read as the fill value (zero). An
+        array whose codecs chemio does not implement (``meta.foreign``) is read through
+        zarr-python's own codec pipeline."""
         self._check(region, out)
+        if self.meta.foreign is not None:
+            return self._read_foreign(region, out)
         pieces = self._layout.pieces(region)       # a batch at a time: bounded memory
         ahead: bool | None = None
         while True:
@@ -797,6 +804,25 @@ class ZarrArrayStore:
                 for fd in fds:
                     if fd >= 0:
                         os.close(fd)
+        return out
+
+    def _read_foreign(self, region: tuple, out: np.ndarray) -> np.ndarray:
+        za = self._zarr_python
+        if za is None:
+            import zarr
+            from zarr.storage import LocalStore
+            za = zarr.open_array(LocalStore(self.path, read_only=True), mode="r")
+            if tuple(za.shape) != self.shape:
+                raise StorageError(errno.ESTALE, self.path, None, None, "read",
+                                   f"the array was re-created (shape {tuple(za.shape)}, not "
+                                   f"{self.shape}): open it again")
+            self._zarr_python = za
+        try:
+            out[...] = za[region]
+        except Exception as e:
+            raise MetadataError(f"Zarr array {self.path!r}: zarr-python cannot read region "
+                                f"{tuple((s.start, s.stop) for s in region)}: "
+                                f"{type(e).__name__}: {str(e)[:300]}") from None
         return out
 
     def _pieces(self, region: tuple, data: np.ndarray):
@@ -958,6 +984,57 @@ class ZarrArrayStore:
         finally:
             os.close(fd)
 
+    def resize(self, shape: Any, comm: Any = None) -> None:
+        """``Resizable.resize`` (every axis may grow: objects are named by their grid
+        index, none moves). Rank 0 zeroes the parts of the objects it keeps that lie
+        outside the new shape, rewrites ``zarr.json`` with the new shape (chemio's entry of
+        its attributes too) in one atomic write, then removes the objects wholly outside
+        (a missing one is fine); every rank then takes the new shape."""
+        from dataclasses import replace
+
+        from chemio_py.backends.grid import ceil_div, stale_regions, zero_regions
+        new = tuple(int(n) for n in shape)
+        old, ch = self.shape, self.chunks
+        with _agree(comm, f"resize Zarr array {self.path}"):
+            if comm is None or comm.rank == 0:
+                if not self.writable:
+                    raise StorageError(errno.EBADF, self.path, None, None, "resize",
+                                       "the array store is open read-only")
+                kept = tuple(ceil_div(n, c) * c for n, c in zip(new, ch))
+                zero_regions(self.write, stale_regions(old, new, kept), ch, self.dtype)
+                doc = zf.load_doc_at(self._root, self.path)
+                doc["shape"] = list(new)
+                mine = doc.get("attributes", {}).get("chemio")
+                if isinstance(mine, dict) and "shape" in mine:
+                    mine["shape"] = list(new)
+                    mine.pop("nbytes", None)
+                zf.parse(doc, "the resized zarr.json")      # what we write, we can read
+                zf.write_meta(self.path, doc, self._perms)
+                self._drop_objects(old, new)
+        self.meta = replace(self.meta, shape=new)
+        self.shape = new
+        self._layout = Layout(new, ch, self.dtype.itemsize)
+
+    def _drop_objects(self, old: tuple, new: tuple) -> None:
+        """Remove the objects of shape ``old``'s grid outside shape ``new``'s grid."""
+        from chemio_py.backends.grid import ceil_div
+        og = [ceil_div(n, c) for n, c in zip(old, self.chunks)]
+        ng = [ceil_div(n, c) for n, c in zip(new, self.chunks)]
+        for k in range(len(og)):
+            if ng[k] >= og[k]:
+                continue
+            ranges = [range(min(ng[j], og[j])) if j < k else range(ng[k], og[k]) if j == k
+                      else range(og[j]) for j in range(len(og))]
+            for index in product(*ranges):
+                where = self._where(index)
+                try:
+                    os.unlink(where)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise self._error(e, where, "remove an object outside the new shape") \
+                        from e
+
     def as_dask(self, chunks: Any = None) -> Any:
         """A dask array reading this array with zarr-python (no chemio needed on workers);
         ``chunks`` default: the storage objects."""
@@ -1002,6 +1079,12 @@ class ZarrArrayStore:
         where = self._where(index)
         try:
             size = self._size(fd, where)
+            if self.meta.foreign is not None:   # decoded as its reader does: zarr-python
+                box = tuple(slice(i * c, min((i + 1) * c, n))
+                            for i, c, n in zip(index, self.chunks, self.shape))
+                self._read_foreign(box, np.empty(tuple(b.stop - b.start for b in box),
+                                                 self.dtype))
+                return size
             sh = self.meta.shard
             if sh is None:
                 tmp = np.empty(self.chunks, self.dtype)
@@ -1328,6 +1411,7 @@ class ZarrBackend(ScratchPlaces):
     array_formats = ("zarr-v3",)
     suffix = ".zarr"
     array_options = frozenset({"compressor", "inner_chunks", "lock"})
+    resizable_arrays = True
 
     def check_available(self) -> None:
         """Raise ``BackendUnavailableError`` unless zarr, numcodecs and a crc32c are
@@ -1401,13 +1485,26 @@ class ZarrBackend(ScratchPlaces):
         (``attributes``: what chemio stored at creation, ``{}`` for foreign arrays)."""
         m = _settled(path, zf.read_meta_at)
         doc = m.attributes.get("chemio")
-        return {"shape": m.shape, "dtype": m.dtype.str, "chunks": m.chunks,
-                "attributes": dict(doc) if isinstance(doc, dict) else {}}
+        return {"shape": m.shape, "dtype": zf.dtype_json(m.dtype), "chunks": m.chunks,
+                "attributes": dict(doc) if isinstance(doc, dict) else {},
+                "user_attributes": {k: v for k, v in m.attributes.items() if k != "chemio"}}
+
+    def write_attributes(self, path: str, attributes: dict) -> None:
+        """``AttributeWriter``: the ``attributes`` of ``<path>/zarr.json`` become
+        ``attributes`` plus chemio's own entry (``"chemio"``, kept), in one atomic write."""
+        doc = zf.load_doc(path)
+        zf.parse(doc, os.path.join(path, zf.META_NAME))
+        have = doc.get("attributes")
+        mine = have.get("chemio") if isinstance(have, dict) else None
+        doc["attributes"] = dict(attributes) | ({"chemio": mine} if mine is not None else {})
+        perms = _stat.S_IMODE(os.stat(os.path.join(path, zf.META_NAME)).st_mode)
+        zf.write_meta(path, doc, perms)
 
     def open_array(self, path: str, mode: str, *, shape: Any, dtype: Any, chunks: Any,
                    comm: Any = None, perms: int = 0o600, attributes: dict | None = None,
                    compressor: Any = None, inner_chunks: Any = None,
-                   lock: bool | None = None, reserve: bool = True) -> ZarrArrayStore:
+                   lock: bool | None = None, reserve: bool = True,
+                   maxshape: Any = None) -> ZarrArrayStore:
         """Open (``r``, ``r+``) or create (``w+`` replaces, ``x+`` must not exist) the
         Zarr v3 array at directory ``path``; with ``comm`` every rank calls this together
         (rank 0 creates, then all open) and all return or all raise. ``lock``: None locks
@@ -1435,7 +1532,13 @@ class ZarrBackend(ScratchPlaces):
         with _agree(comm, what):
             root, m = _settled(path, zf.read_meta_at, keep_open=True)
             try:
-                if (m.shape, m.dtype, m.chunks) != (shape_t, dt.newbyteorder("="), chunks_t):
+                m = _as_dtype(m, dt)
+                if m.foreign is not None and mode != "r":
+                    raise ModeError(
+                        f"the Zarr array at {path!r} opens read-only (mode 'r'), not {mode!r}: "
+                        f"{m.foreign}, so chemio reads it through zarr-python's own codec "
+                        f"pipeline and cannot write it; nothing was changed")
+                if (m.shape, m.dtype, m.chunks) != (shape_t, dt, chunks_t):
                     raise MetadataError(
                         f"the Zarr array at {path!r} has shape {m.shape}, {m.dtype}, chunks "
                         f"{m.chunks}, not the shape {shape_t}, {dt}, chunks {chunks_t} asked "
@@ -1447,13 +1550,11 @@ class ZarrBackend(ScratchPlaces):
                 os.close(root)
                 raise
             store = ZarrArrayStore(path, m, mode != "r", perms, comm, lock, root)
+            store.maxshape = m.shape if maxshape is None else tuple(maxshape)
         return store
 
     def _creation(self, shape: tuple, dt: np.dtype, chunks: tuple, compressor: Any,
                   inner_chunks: Any, attributes: dict | None) -> dict:
-        if dt.name not in zf.DTYPES:
-            raise ArgumentError(f"dtype {dt} cannot be stored in a Zarr v3 array here; use "
-                                f"one of {', '.join(zf.DTYPES)}")
         if len(chunks) != len(shape) or min(chunks, default=1) < 1:
             raise ArgumentError(f"chunks {chunks} must have one int >= 1 per axis of {shape}")
         obj = math.prod(chunks) * dt.itemsize
@@ -1464,7 +1565,10 @@ class ZarrBackend(ScratchPlaces):
         comp = config.setting_for("compressor", name if isinstance(name, str) else None,
                                   compressor).value
         inner = self._inner(chunks, dt, inner_chunks)
-        doc = zf.build_doc(shape, dt, chunks, comp, inner, attributes)
+        try:
+            doc = zf.build_doc(shape, dt, chunks, comp, inner, attributes)
+        except MetadataError as e:
+            raise ArgumentError(str(e)) from None
         zf.parse(doc, "the new zarr.json")          # what we write, we can read
         return doc
 
@@ -1556,6 +1660,17 @@ class ZarrBackend(ScratchPlaces):
                 raise ArgumentError(f"the Zarr array at {path!r} has inner chunks "
                                     f"{have_inner}, not {want_inner}; they are chosen at "
                                     f"creation")
+
+
+def _as_dtype(m: zf.ZarrMeta, dt: np.dtype) -> zf.ZarrMeta:
+    """``m`` holding ``dt`` when the array stores ``dt``'s records as ``raw_bytes`` of the
+    same size (a structured dtype zarr-python's ``structured`` cannot hold exactly:
+    ``zf.data_type_doc``); otherwise ``m`` unchanged."""
+    from dataclasses import replace
+    if dt.names is None or m.dtype.names is not None or m.dtype.kind != "V" or \
+            m.dtype.itemsize != dt.itemsize:
+        return m
+    return replace(m, dtype=dt, fill=m.fill.view(dt).reshape(()))
 
 
 class _NoAgreement:

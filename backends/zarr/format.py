@@ -25,6 +25,7 @@ import math
 import os
 import stat as _stat
 import struct
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,10 @@ MAX_OBJECT_BYTES = 1 << 32          # one stored object, decoded (it is held in 
 MAX_INNER = 1 << 20                 # inner chunks per shard
 EMPTY = (1 << 64) - 1               # a shard index entry of an absent inner chunk
 
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-          "float32", "float64", "complex64", "complex128")
+MAX_ITEMSIZE = 1 << 20             # one element (as chemio_py.arrays.meta)
+DTYPES = ("bool", "(u)int8-64", "float16/32/64", "complex64/128", "null_terminated_bytes (S<n>)",
+          "fixed_length_utf32 (U<n>)", "raw_bytes (V<n>)", "numpy.datetime64",
+          "numpy.timedelta64", "structured")
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 _BLOSC_CNAMES = ("blosclz", "lz4", "lz4hc", "zlib", "zstd", "snappy")
 _TOP_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
@@ -325,6 +328,11 @@ class _Crc32c(_Codec):
         return body
 
 
+class Unsupported(MetadataError):
+    """A valid Zarr v3 array whose codecs chemio's own pipeline does not implement (it is
+    read through zarr-python instead, read-only)."""
+
+
 def _int(v: Any, lo: int, hi: int, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise MetadataError(f"{what} must be an integer from {lo} to {hi}, got {v!r}")
@@ -366,7 +374,7 @@ def make_codec(doc: Any, itemsize: int, where: str) -> _Codec:
     if name == "crc32c":
         _only(conf, set(), name, where)
         return _Crc32c()
-    raise MetadataError(f"{where}: codec {name!r} is not supported by chemio's zarr backend "
+    raise Unsupported(f"{where}: codec {name!r} is not supported by chemio's zarr backend "
                         f"(it reads bytes, zstd, blosc, gzip, crc32c and sharding_indexed); "
                         f"read this array with zarr-python, or rewrite it with supported codecs")
 
@@ -390,24 +398,25 @@ def _only(conf: dict, keys: set, name: str, where: str) -> None:
 
 @dataclass
 class Pipeline:
-    """Array -> bytes (``bytes`` codec with ``endian``) -> bytes-to-bytes ``codecs``."""
-    endian: str = "little"
+    """Array -> bytes (``bytes`` codec with ``endian``) -> bytes-to-bytes ``codecs``. The
+    array's dtype has the byte order ``endian`` names (``ZarrMeta.dtype``), so its memory
+    is the stored bytes: nothing is ever swapped."""
+    endian: str | None = "little"
     codecs: list = field(default_factory=list)
 
     @property
     def plain(self) -> bool:
-        """True when stored bytes are the raw little-endian elements."""
-        return not self.codecs and (self.endian == "little")
+        """True when stored bytes are the raw elements (no bytes-to-bytes codec)."""
+        return not self.codecs
 
     def encode(self, arr: np.ndarray) -> Any:
         """Stored bytes of the C-contiguous chunk ``arr``."""
-        if self.endian == "big" and arr.dtype.itemsize > 1:
-            arr = arr.byteswap()
-        buf: Any = arr
+        raw = arr.reshape(-1).view(np.uint8)    # bytes of any dtype (datetime64 has no
+        buf: Any = raw                          # buffer format of its own)
         for c in self.codecs:
             buf = c.encode(buf)
         # numpy's stubs make ndarray a Buffer for Python 3.12+ only
-        return buf if self.codecs else memoryview(arr).cast("B")  # type: ignore[arg-type]
+        return buf if self.codecs else memoryview(raw)  # type: ignore[arg-type]
 
     def decode(self, buf: Any, out: np.ndarray) -> np.ndarray:
         """Decode stored bytes ``buf`` into the C-contiguous chunk ``out``; ValueError if
@@ -429,8 +438,6 @@ class Pipeline:
                 if got.size != n:
                     raise ValueError(f"decoded to {got.size} bytes, expected {n}")
                 flat[...] = got
-        if self.endian == "big" and out.dtype.itemsize > 1:
-            out.byteswap(inplace=True)
         return out
 
     def bound(self, n: int, stages: int | None = None) -> int:
@@ -442,8 +449,7 @@ class Pipeline:
         return n
 
     def docs(self) -> list:
-        return [{"name": "bytes", "configuration": {"endian": self.endian}}] + \
-            [c.doc() for c in self.codecs]
+        return [_bytes_doc(self.endian)] + [c.doc() for c in self.codecs]
 
 
 def _parse_pipeline(docs: Any, itemsize: int, where: str) -> tuple[Pipeline, Any]:
@@ -452,16 +458,16 @@ def _parse_pipeline(docs: Any, itemsize: int, where: str) -> tuple[Pipeline, Any
         raise MetadataError(f"{where}: codecs must be a non-empty list, got {docs!r:.200}")
     first, conf = _codec_parts(docs[0], where)
     if first == "transpose":
-        raise MetadataError(f"{where}: codec 'transpose' is not supported by chemio's zarr "
-                            f"backend; read this array with zarr-python")
+        raise Unsupported(f"{where}: codec 'transpose' is not supported by chemio's zarr "
+                          f"backend's own pipeline")
     shard = None
     if first == "sharding_indexed":
         shard = conf
-        endian = "little"
+        endian: str | None = "little"
     elif first == "bytes":
         _only(conf, {"endian"}, first, where)
-        endian = conf.get("endian", "little")
-        if endian not in ("little", "big"):
+        endian = conf.get("endian")
+        if endian not in ("little", "big", None):
             raise MetadataError(f"{where}: bytes endian must be 'little' or 'big', got {endian!r}")
     else:
         if first in ("zstd", "blosc", "gzip", "crc32c"):
@@ -470,7 +476,7 @@ def _parse_pipeline(docs: Any, itemsize: int, where: str) -> tuple[Pipeline, Any
         make_codec(docs[0], itemsize, where)         # raises, naming the codec
     rest = [make_codec(d, itemsize, where) for d in docs[1:]]
     if shard is not None and rest:
-        raise MetadataError(f"{where}: codecs after 'sharding_indexed' are not supported")
+        raise Unsupported(f"{where}: codecs after 'sharding_indexed' are not supported")
     return Pipeline(endian, rest), shard
 
 
@@ -506,6 +512,8 @@ class ZarrMeta:
     separator: str = "/"
     v2_keys: bool = False
     attributes: dict = field(default_factory=dict)
+    foreign: str | None = None       # why chemio's pipeline cannot: read via zarr-python
+    foreign_codecs: str = ""         # the codec names of such an array, for messages
 
     @property
     def grid(self) -> tuple:
@@ -603,16 +611,7 @@ def parse(doc: Any, where: str) -> ZarrMeta:
             raise MetadataError(f"{where}: unknown key {k!r} that must be understood")
     if doc.get("storage_transformers", []) != []:
         raise MetadataError(f"{where}: storage transformers are not supported")
-    name = doc.get("data_type")
-    if name not in DTYPES:
-        raise MetadataError(f"{where}: data_type {name!r:.80} is not supported (one of "
-                            f"{', '.join(DTYPES)})")
-    dt = np.dtype(name)
     shape = _shape(doc.get("shape"), 0, f"{where}: shape")
-    nbytes = math.prod(shape) * dt.itemsize
-    if nbytes > MAX_NBYTES:
-        raise MetadataError(f"{where}: shape {shape} of {name} makes {nbytes} bytes, more than "
-                            f"the limit {MAX_NBYTES}")
     grid = doc.get("chunk_grid")
     if not (isinstance(grid, dict) and grid.get("name") == "regular"
             and isinstance(grid.get("configuration"), dict)):
@@ -620,6 +619,12 @@ def parse(doc: Any, where: str) -> ZarrMeta:
     chunks = _shape(grid["configuration"].get("chunk_shape"), 1, f"{where}: chunk_shape")
     if len(chunks) != len(shape):
         raise MetadataError(f"{where}: chunk_shape {chunks} does not match shape {shape}")
+    zmeta = _zarr_python_meta(doc, where)       # the spec's checks, by zarr-python
+    dt = _dtype_of(zmeta, doc.get("codecs"), where)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes > MAX_NBYTES:
+        raise MetadataError(f"{where}: shape {shape} of {dt} makes {nbytes} bytes, more than "
+                            f"the limit {MAX_NBYTES}")
     obj = math.prod(chunks) * dt.itemsize
     if obj > MAX_OBJECT_BYTES:
         raise MetadataError(f"{where}: a chunk of {chunks} holds {obj} bytes, more than the "
@@ -632,16 +637,117 @@ def parse(doc: Any, where: str) -> ZarrMeta:
         if isinstance(econf, dict) else None
     if sep not in ("/", "."):
         raise MetadataError(f"{where}: chunk key separator {sep!r:.80} is not '/' or '.'")
-    fill = _fill_value(doc.get("fill_value"), dt, where)
-    pipeline, sconf = _parse_pipeline(doc.get("codecs"), dt.itemsize, f"{where}: codecs")
-    shard = None if sconf is None else _parse_shard(sconf, chunks, dt.itemsize, where)
+    fill = _fill_of(doc.get("fill_value"), zmeta.fill_value, dt, where)
+    foreign = None
+    try:
+        pipeline, sconf = _parse_pipeline(doc.get("codecs"), dt.itemsize, f"{where}: codecs")
+        shard = None if sconf is None else _parse_shard(sconf, chunks, dt.itemsize, where)
+    except Unsupported as e:                    # zarr-python's codec pipeline reads it
+        _foreign_limits(zmeta.codecs, chunks, where)
+        foreign, pipeline, shard = str(e), Pipeline(), None
+        codecs = json.dumps(_codec_names(doc.get("codecs")))[:200]
     attrs = doc.get("attributes", {})
     if not isinstance(attrs, dict):
         raise MetadataError(f"{where}: attributes must be an object")
     dims = doc.get("dimension_names")
     if dims is not None and not (isinstance(dims, list) and len(dims) == len(shape)):
         raise MetadataError(f"{where}: dimension_names must list one name per axis")
-    return ZarrMeta(shape, dt, chunks, pipeline, shard, fill, sep, enc["name"] == "v2", attrs)
+    return ZarrMeta(shape, dt, chunks, pipeline, shard, fill, sep, enc["name"] == "v2", attrs,
+                    foreign, codecs if foreign else "")
+
+
+def _zarr_python_meta(doc: dict, where: str) -> Any:
+    """``doc`` checked by zarr-python's own ``ArrayV3Metadata`` (data type, fill value,
+    codecs and their settings, chunk grid and key encoding), any refusal a
+    ``MetadataError`` naming ``where``. ``doc`` is already bounded (``loads_bounded``)."""
+    import warnings
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # zarr's "no stable spec" notes for S/U/V/M
+            return ArrayV3Metadata.from_dict(dict(doc))
+    except Exception as e:                      # zarr-python raises many kinds
+        raise MetadataError(f"{where}: not a Zarr v3 array zarr-python accepts "
+                            f"({type(e).__name__}: {str(e)[:300]}); its data_type is "
+                            f"{doc.get('data_type')!r:.100}, its codecs "
+                            f"{_codec_names(doc.get('codecs'))}") from None
+
+
+def _codec_names(codecs: Any, depth: int = 0) -> list:
+    """The codec names of a ``codecs`` list (those inside sharding in brackets), for
+    messages."""
+    out: list = []
+    for c in codecs[:16] if isinstance(codecs, list) else ():
+        name = c.get("name") if isinstance(c, dict) else c
+        out.append(str(name)[:40])
+        conf = c.get("configuration") if isinstance(c, dict) else None
+        if name == "sharding_indexed" and isinstance(conf, dict) and depth < 4:
+            out.append(_codec_names(conf.get("codecs"), depth + 1))
+    return out
+
+
+def _array_endian(codecs: Any) -> str | None:
+    """The ``endian`` of the array-to-bytes ``bytes`` codec (inside sharding too), if set."""
+    for c in codecs if isinstance(codecs, list) else ():
+        if not isinstance(c, dict):
+            continue
+        conf = c.get("configuration")
+        conf = conf if isinstance(conf, dict) else {}
+        if c.get("name") == "bytes":
+            e = conf.get("endian")
+            return e if e in ("little", "big") else None
+        if c.get("name") == "sharding_indexed":
+            return _array_endian(conf.get("codecs"))
+    return None
+
+
+def _dtype_of(zmeta: Any, codecs: Any, where: str) -> np.dtype:
+    """The NumPy dtype of the array, in the byte order its ``bytes`` codec stores (so its
+    memory is the stored bytes); fixed-size, at most ``MAX_ITEMSIZE`` bytes."""
+    try:
+        dt = np.dtype(zmeta.data_type.to_native_dtype())
+    except Exception as e:
+        raise MetadataError(f"{where}: data_type has no NumPy form ({e})") from None
+    if dt.hasobject or dt.kind in "OT" or dt.itemsize == 0:
+        raise MetadataError(f"{where}: data_type {dt} has elements of variable size; chemio's "
+                            f"zarr backend reads fixed-size data types ({', '.join(DTYPES)})")
+    if dt.itemsize > MAX_ITEMSIZE:
+        raise MetadataError(f"{where}: data_type {dt} has elements of {dt.itemsize} bytes, "
+                            f"more than {MAX_ITEMSIZE}")
+    if dt.names is None and dt.byteorder != "|":
+        dt = dt.newbyteorder(">" if _array_endian(codecs) == "big" else "<")
+    return dt
+
+
+def _fill_of(v: Any, parsed: Any, dt: np.dtype, where: str) -> np.ndarray:
+    """The fill value as a 0-d array of ``dt``: numbers through chemio's own strict check
+    (``_fill_value``: range, bit patterns), other types as zarr-python parsed them."""
+    if dt.names is None and dt.kind in "biufc":
+        native = dt.newbyteorder("=") if dt.byteorder != "|" else dt
+        return _fill_value(v, native, where).astype(dt)
+    try:
+        return np.array(parsed, dtype=dt)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise MetadataError(f"{where}: fill_value {v!r:.80} does not fit data type {dt} "
+                            f"({e})") from None
+
+
+def _foreign_limits(codecs: Any, chunks: tuple, where: str) -> None:
+    """chemio's limits on an array read through zarr-python: at most ``MAX_INNER`` inner
+    chunks per shard at every level of sharding."""
+    for c in codecs:
+        inner = getattr(c, "chunk_shape", None)
+        sub = getattr(c, "codecs", None)
+        if inner is None or sub is None:
+            continue
+        inner = tuple(int(i) for i in inner)
+        if len(inner) != len(chunks) or any(i < 1 for i in inner):
+            raise MetadataError(f"{where}: sharding chunk_shape {inner} does not fit {chunks}")
+        n = math.prod(-(-c_ // i) for c_, i in zip(chunks, inner))
+        if n > MAX_INNER:
+            raise MetadataError(f"{where}: sharding_indexed: {n} inner chunks per shard, more "
+                                f"than {MAX_INNER}")
+        _foreign_limits(sub, inner, where)
 
 
 def _parse_shard(conf: dict, chunks: tuple, itemsize: int, where: str) -> Shard:
@@ -658,7 +764,7 @@ def _parse_shard(conf: dict, chunks: tuple, itemsize: int, where: str) -> Shard:
                             f"{MAX_INNER}")
     pipe, nested = _parse_pipeline(conf.get("codecs"), itemsize, f"{w} codecs")
     if nested is not None:
-        raise MetadataError(f"{w}: nested sharding is not supported")
+        raise Unsupported(f"{w}: nested sharding is not supported")
     idx = conf.get("index_codecs", [{"name": "bytes", "configuration": {"endian": "little"}},
                                     {"name": "crc32c"}])
     names = [_codec_parts(d, f"{w} index_codecs") for d in idx] if isinstance(idx, list) else None
@@ -666,8 +772,8 @@ def _parse_shard(conf: dict, chunks: tuple, itemsize: int, where: str) -> Shard:
         names[0][1].get("endian", "little") == "little" and \
         [n for n, _ in names[1:]] in ([], ["crc32c"])
     if not ok:
-        raise MetadataError(f"{w}: index_codecs {idx!r:.200} are not supported (bytes little "
-                            f"endian, optionally crc32c)")
+        raise Unsupported(f"{w}: index_codecs {idx!r:.200} are not supported (bytes little "
+                          f"endian, optionally crc32c)")
     loc = conf.get("index_location", "end")
     if loc not in ("end", "start"):
         raise MetadataError(f"{w}: index_location {loc!r} is not 'start' or 'end'")
@@ -678,11 +784,11 @@ def _parse_shard(conf: dict, chunks: tuple, itemsize: int, where: str) -> Shard:
 
 def build_doc(shape: tuple, dtype: np.dtype, chunks: tuple, compressor: dict | None,
               inner: tuple | None, attributes: dict | None) -> dict:
-    """The ``zarr.json`` of an array chemio creates."""
+    """The ``zarr.json`` of an array chemio creates (``data_type_doc``: the data type, the
+    byte order of its ``bytes`` codec and its zero fill value)."""
     dt = np.dtype(dtype)
-    if dt.name not in DTYPES:
-        raise MetadataError(f"dtype {dt} cannot be stored as Zarr v3 here (one of {DTYPES})")
-    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    data_type, endian, fill = data_type_doc(dt)
+    codecs = [_bytes_doc(endian)]
     if compressor is not None:
         codecs.append(compressor_doc(compressor, dt.itemsize))
     if inner is not None:
@@ -691,10 +797,8 @@ def build_doc(shape: tuple, dtype: np.dtype, chunks: tuple, compressor: dict | N
             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                              {"name": "crc32c"}],
             "index_location": "end"}}]
-    fill: Any = False if dt.kind == "b" else [0.0, 0.0] if dt.kind == "c" else \
-        0.0 if dt.kind == "f" else 0
     return {"zarr_format": 3, "node_type": "array", "shape": list(shape),
-            "data_type": dt.name,
+            "data_type": data_type,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": fill, "codecs": codecs,
@@ -702,6 +806,65 @@ def build_doc(shape: tuple, dtype: np.dtype, chunks: tuple, compressor: dict | N
             # xarray needs axis names to open a Zarr v3 array; NumPy-style defaults
             "dimension_names": [f"dim_{k}" for k in range(len(shape))],
             "storage_transformers": []}
+
+
+def dtype_json(dt: np.dtype) -> Any:
+    """``dt`` as JSON: ``dt.str``, or for a structured dtype ``dt.descr`` as lists (the
+    form of chemio's metadata, ``chemio_py.arrays.meta.dtype_doc``)."""
+    def lists(descr: list) -> list:
+        return [[e[0], lists(e[1]) if isinstance(e[1], list) else e[1]]
+                + ([list(e[2])] if len(e) > 2 else []) for e in descr]
+    return dt.str if dt.names is None else lists(dt.descr)
+
+
+def _bytes_doc(endian: str | None) -> dict:
+    return {"name": "bytes", "configuration": {"endian": endian}} if endian else \
+        {"name": "bytes"}
+
+
+def _zarr_structured(dt: np.dtype) -> bool:
+    """True when zarr-python's ``structured`` data type holds ``dt`` exactly: packed
+    fields (no padding, no subarrays), every number little-endian, nested alike."""
+    if dt.names is None:
+        return dt.byteorder in "<|" or (dt.byteorder == "=" and sys.byteorder == "little")
+    at = 0
+    fields: Any = dt.fields
+    for name in dt.names:
+        f, off = fields[name][:2]
+        if off != at or f.subdtype is not None or not _zarr_structured(f):
+            return False
+        at += f.itemsize
+    return at == dt.itemsize
+
+
+def data_type_doc(dt: np.dtype) -> tuple[Any, str | None, Any]:
+    """(``data_type``, ``bytes`` codec endian or None, ``fill_value``) of a chemio array of
+    ``dt``, through zarr-python's data types: numbers, ``S<n>``, ``U<n>``, ``V<n>``,
+    datetime64/timedelta64 keep their type and store in ``dt``'s byte order; a structured
+    dtype zarr-python's ``structured`` type cannot hold exactly (padding, subarray or
+    big-endian fields) is stored as ``raw_bytes`` of its itemsize, its exact dtype kept in
+    the chemio attributes (chemio reads it back; zarr-python reads raw records)."""
+    import warnings
+    from zarr.core.dtype import get_data_type_from_native_dtype
+    if dt.hasobject or dt.itemsize == 0 or dt.itemsize > MAX_ITEMSIZE:
+        raise MetadataError(f"dtype {dt} cannot be stored in a Zarr v3 array here (fixed-size "
+                            f"types of 1 to {MAX_ITEMSIZE} bytes: {', '.join(DTYPES)})")
+    endian = None if dt.byteorder == "|" else \
+        {"<": "little", ">": "big", "=": sys.byteorder}[dt.byteorder]
+    if dt.names is not None and not _zarr_structured(dt):
+        zt = np.dtype(f"V{dt.itemsize}")
+    else:
+        zt = dt.newbyteorder("<") if endian else dt
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = get_data_type_from_native_dtype(zt)
+            fill = z.to_json_scalar(np.zeros((), zt)[()], zarr_format=3)
+            return z.to_json(zarr_format=3), endian, \
+                list(fill) if isinstance(fill, tuple) else fill
+    except Exception as e:
+        raise MetadataError(f"dtype {dt} cannot be stored in a Zarr v3 array here ({e}); "
+                            f"supported: {', '.join(DTYPES)}") from None
 
 
 def compressor_doc(comp: dict, itemsize: int) -> dict:
@@ -718,6 +881,8 @@ def compressor_doc(comp: dict, itemsize: int) -> dict:
 def compressor_of(meta: ZarrMeta) -> dict | None:
     """The normalised compressor of an array (as ``chemio_py.runtime.config`` spells it), or None;
     ``{"id": name}`` for other codec lists."""
+    if meta.foreign is not None:
+        return {"id": f"read by zarr-python: {meta.foreign_codecs}"}
     pipe = meta.shard.pipeline if meta.shard else meta.pipeline
     if not pipe.codecs:
         return None

@@ -17,6 +17,7 @@ Everything else is independent. See DESIGN §3 for the contract.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import operator
 import os
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 import chemio_py.backends as _backends
-from chemio_py.arrays import meta as _meta, sections as _sections
+from chemio_py.arrays import indexing as _indexing, meta as _meta, sections as _sections
+from chemio_py.arrays import views as _views
 from chemio_py.arrays.chunks import clip_chunks, default_chunks, hinted_chunks
 from chemio_py.arrays.checksums import (
     Checksums,
@@ -51,6 +53,8 @@ from chemio_py.runtime.collective import Collective, Creation
 from chemio_py.runtime.lifecycle import StoreHandle
 from chemio_py.runtime.comm import Comm, resolve as _resolve_comm
 from chemio_py.scratch import jobs
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import dask.array
@@ -95,7 +99,7 @@ def block_section(shape: Sequence[int], comm: Any = None, axis: int = 0, *,
 def _direct(a: np.ndarray) -> bool:
     """True when the store can move bytes straight into/out of ``a`` (rows contiguous)."""
     isz = a.itemsize
-    if any(s < 0 or s % isz for s in a.strides):
+    if any(s < 0 or s % isz for n, s in zip(a.shape, a.strides) if n > 1):
         return False
     for n, s in zip(reversed(a.shape), reversed(a.strides)):
         if n > 1:
@@ -105,7 +109,14 @@ def _direct(a: np.ndarray) -> bool:
 
 def _as_values(value: Any, dtype: np.dtype) -> np.ndarray:
     """Python scalars and sequences as an array, by NumPy's rule for Python values: a
-    number that does not fit ``dtype`` (300 for int8) is an error, not a wrapped value."""
+    number that does not fit ``dtype`` (300 for int8) is an error, not a wrapped value;
+    tuples, strings and dates become records, bytes, text and times of ``dtype``."""
+    if dtype.kind in "VSUmM" and not isinstance(value, np.ndarray):
+        try:
+            return np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise ArgumentError(f"value {value!r:.80} is not of dtype {dtype} ({e}); nothing "
+                                f"was written") from None
     arr = np.asarray(value)
     if arr.dtype.kind in "biufc" and np.can_cast(arr.dtype, dtype, "same_kind"):
         try:
@@ -163,6 +174,11 @@ def _attributes(inside: bool, m: _meta.Meta) -> dict:
     """What ``open_array`` gets on creation: the metadata document, for a backend that
     keeps it inside the object."""
     return {"attributes": m.to_doc()} if inside else {}
+
+
+def _grow_kw(maxshape: tuple | None) -> dict:
+    """The ``open_array`` keyword of a resizable array (none for a fixed one)."""
+    return {} if maxshape is None else {"maxshape": maxshape}
 
 
 def _record(be: _backends.Backend, m: _meta.Meta, data: str, mpath: str, keep: bool,
@@ -320,11 +336,39 @@ class _Creating(Creation):
         self.be = be = _backends.require(_backends.resolve(be_name), be_name,
                                          _backends.ArrayBackend)
         self.opts = _check_options(be, be_name, a.options)
+        _log.debug("DiskArray %r: backend %s, chunks %s (%s)", self.name, be_name, self.ch,
+                   "given" if a.chunks is not None else
+                   f"request_shape hint {tuple(a.request_shape)}"
+                   if a.request_shape is not None else "default")
         check_checksum(be, be_name, a.checksum)
         self.together = _backends.is_collective(be)
         self.inside = isinstance(be, _backends.SelfDescribing)
+        self.maxshape = self._growable(be, be_name, a, shape, dt)
         return (self.name, shape, dt.str, self.ch, be_name, self.keep,
-                repr(sorted(self.opts.items())), a.checksum)
+                repr(sorted(self.opts.items())), a.checksum, self.maxshape)
+
+    def _growable(self, be: Any, be_name: str, a: SimpleNamespace, shape: tuple,
+                  dt: np.dtype) -> tuple | None:
+        """The checked ``maxshape`` (None: a fixed array); for a resizable array the
+        chunks are chosen for it (``growth.chunk_basis``)."""
+        from chemio_py.arrays import growth
+        grid_layout = _backends.array_formats(be)[0] == "grid"
+        ms = growth.check_maxshape(a.maxshape, shape, grid_layout, be_name)
+        if ms is None:
+            return None
+        if not _backends.backend_capabilities(be).resizable_arrays:
+            raise ArgumentError(f"backend {be_name!r} cannot resize arrays, so maxshape= is "
+                                f"refused; use local, shm, auto, mpiio or zarr")
+        if a.checksum:
+            raise ArgumentError("checksum=True and maxshape= do not go together: the CRCs "
+                                "are kept per chunk of a fixed shape; choose one")
+        nbytes = growth.capacity_nbytes(shape, ms, dt.itemsize)
+        if nbytes > _meta.MAX_NBYTES:
+            raise ArgumentError(f"maxshape {ms} of {dt} makes {nbytes} bytes, more than the "
+                                f"limit of {_meta.MAX_NBYTES}")
+        self.ch = DiskArray._choose_chunks(growth.chunk_basis(shape, ms, a.chunks), dt,
+                                           a.chunks, a.request_shape)
+        return ms
 
     def explain(self, mine: tuple, first: tuple) -> str:
         return (f"rank {self.comm.rank} asked for DiskArray.create{mine[:4]} on backend "
@@ -346,7 +390,9 @@ class _Creating(Creation):
         m = _meta.Meta(name=self.name, shape=self.shape, dtype=self.dt, chunks=self.ch,
                        backend=self.be_name, data=os.path.basename(data), persistent=keep,
                        uuid=os.urandom(16).hex(), created=_meta.creation_info(self.comm.size),
-                       layout=_backends.array_formats(be)[0], **checksum_meta(self.a.checksum))
+                       layout=_backends.array_formats(be)[0], maxshape=self.maxshape,
+                       **(checksum_meta(self.a.checksum) or {"format": _meta.format_for(
+                           _backends.array_formats(be)[0], None, self.maxshape)}))
         self.supersede(data, self.what)
         if not self.together:
             self._opened(be.open_array(data, "w+", **self._new(m)), data, mpath, True)
@@ -358,7 +404,8 @@ class _Creating(Creation):
         self.supersede(data, self.what)
         if not self.together:
             store = DiskArray._open_peer(self.be, self.be_name, data, mpath, m.uuid, self.shape,
-                                         self.dt, self.ch, self.comm, self.host0, self.opts)
+                                         self.dt, self.ch, self.comm, self.host0,
+                                         {**self.opts, **_grow_kw(m.maxshape)})
             self._opened(store, data, mpath, False)
 
     def open_together(self, made: tuple[str, str, _meta.Meta]) -> None:
@@ -382,7 +429,7 @@ class _Creating(Creation):
         """The keywords of ``open_array`` that make the object."""
         return dict(shape=self.shape, dtype=self.dt, chunks=self.ch,
                     perms=0o666 if self.keep else 0o600, **_attributes(self.inside, m),
-                    **self.opts)
+                    **self.opts, **_grow_kw(m.maxshape))
 
     def _opened(self, store: Any, data: str, mpath: str, created: bool) -> None:
         """Keep ``store``; on failure close it and, where this rank ``created`` the object,
@@ -419,7 +466,8 @@ def _open_found(op: Collective, found: tuple, mode: str, backend: str | None,
                               m.dtype, mode != "r")
         op.on_failure(sums.close)
     if not _backends.is_collective(be):
-        store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype, chunks=m.chunks, **opts)
+        store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype, chunks=m.chunks, **opts,
+                              **_grow_kw(m.maxshape))
         op.on_failure(lambda: _backends.close_local(store))
     return be_name, be, opts, store, sums
 
@@ -457,7 +505,8 @@ class DiskArray(StoreHandle):
     def create(cls, name: str, shape: Any, dtype: Any, *, request_shape: Any = None,
                chunks: Any = None, backend: str | None = None, path: Any = None,
                persistent: bool = False, overwrite: bool = False,
-               comm: Any = None, checksum: bool = False, **options: Any) -> "DiskArray":
+               comm: Any = None, checksum: bool = False, maxshape: Any = None,
+               **options: Any) -> "DiskArray":
         """Create an array of ``shape`` and ``dtype``, every element zero. Collective.
 
         Layout: ``chunks`` if given, else chunks shaped by ``request_shape`` (a typical
@@ -477,12 +526,16 @@ class DiskArray(StoreHandle):
         in ``<data>.crc``: every write updates the CRCs of the chunks it touches, every
         read checks those of the chunks it meets (``ChecksumError`` on damage; a read of
         part of a chunk reads all of it), ``chemio check --read`` checks them all.
+
+        ``maxshape`` (as in h5py: a tuple, ``None`` for an axis without limit) makes the
+        array resizable (``resize``, ``append``; see ``chemio_py.arrays.growth``); without
+        it the shape is fixed.
         """
         c = _resolve_comm(comm)
         mk = _Creating(c, name, SimpleNamespace(
             shape=shape, dtype=dtype, request_shape=request_shape, chunks=chunks,
             backend=backend, path=path, persistent=persistent, overwrite=overwrite,
-            checksum=checksum, options=options))
+            checksum=checksum, maxshape=maxshape, options=options))
         data, mpath, m = mk.run()
         sums = mk.sums
         return mk.claim(data, lambda: cls(
@@ -556,7 +609,7 @@ class DiskArray(StoreHandle):
                 lambda: _open_found(op, found, mode, backend, options))
             if store is None:               # a collective backend: every rank together
                 store = be.open_array(data, mode, shape=m.shape, dtype=m.dtype,
-                                      chunks=m.chunks, comm=c, **opts)
+                                      chunks=m.chunks, comm=c, **opts, **_grow_kw(m.maxshape))
         return cls(store=store, backend_obj=be, backend_name=be_name, meta=m, data_path=data,
                    meta_path=mpath, mode=mode, comm=c, owner=False, checksums=sums)
 
@@ -720,12 +773,7 @@ class DiskArray(StoreHandle):
             raise SectionError(
                 f"data has shape {arr.shape} but section {section!r} has shape {want}"
                 f"{' (data transposed)' if transpose else ''}; nothing was written")
-        if arr.dtype != self.dtype and not np.can_cast(arr.dtype, self.dtype, "same_kind"):
-            raise ArgumentError(
-                f"data of dtype {arr.dtype} is not stored in DiskArray {self.name!r} of dtype "
-                f"{self.dtype} (a different kind of number: values would be lost); convert it "
-                f"first (data.astype({str(self.dtype)!r})) if that is intended; nothing was "
-                f"written")
+        _meta.check_cast(arr.dtype, self.dtype, f"DiskArray {self.name!r}")
         src = arr.T if transpose else arr
         if src.shape != full:
             src = _sections.expand(src, squeeze)
@@ -783,17 +831,24 @@ class DiskArray(StoreHandle):
 
     def _run(self, store: _backends.ArrayStore, write: bool, region: tuple,
              arr: np.ndarray) -> None:
-        """Move a section and return when it is done. One task runs in this thread (a
-        pool hand-off costs more than a small section); several run on the pool while
-        this thread waits, so an interrupt stops the tasks not started and waits for the
-        others instead of leaving them writing into the caller's buffer."""
+        """Move a section and return when it is done (``_run_many`` of one)."""
+        self._run_many(store, write, [(region, arr)])
+
+    def _run_many(self, store: _backends.ArrayStore, write: bool,
+                  pieces: list[tuple[tuple, np.ndarray]]) -> None:
+        """Move ``(region, array)`` pieces and return when all are done. One task runs in
+        this thread (a pool hand-off costs more than a small section); several run on the
+        pool while this thread waits, so an interrupt stops the tasks not started and
+        waits for the others instead of leaving them writing into the caller's buffer."""
         t0 = time.perf_counter()
         try:
             cached = None if write else self._caps.read_cached
-            if cached is not None and arr.size and cached(region, arr):
-                self._stats.record("read", arr.nbytes, t0, time.perf_counter())
-                return                                   # all in the page cache: one copy
-            tasks = self._tasks(store, region, arr)
+            tasks: list[tuple] = []
+            for region, arr in pieces:
+                if cached is not None and arr.size and cached(region, arr):
+                    self._stats.record("read", arr.nbytes, t0, time.perf_counter())
+                    continue                             # all in the page cache: one copy
+                tasks.extend(self._tasks(store, region, arr))
             if len(tasks) <= 1:
                 for piece in tasks:
                     self._task(store, write, piece)
@@ -803,17 +858,34 @@ class DiskArray(StoreHandle):
         finally:
             self._stats.waited(time.perf_counter() - t0)
 
+    def _read_pieces(self, pieces: list[tuple[tuple, np.ndarray]]) -> None:
+        """Read step-1 regions into arrays of their shape, checksums checked."""
+        self._run_many(self._store, False, pieces)
+        if self._sums is not None:
+            for region, arr in pieces:
+                self._sums.verify(self._store, region, arr)
+
+    def _write_pieces(self, pieces: list[tuple[tuple, np.ndarray]]) -> None:
+        """Write arrays into step-1 regions of their shape (vetted by the store first,
+        all of them, so a veto writes nothing), checksums updated."""
+        for region, _ in pieces:
+            self._check_independent_write(region)
+        self._run_many(self._store, True, pieces)
+        if self._sums is not None:
+            for region, arr in pieces:
+                self._sums.updated(self._store, region, arr)
+
     # ------------------------------------------------------------ blocking, independent
     def read(self, section: Any = (), out: np.ndarray | None = None, *,
              transpose: bool = False) -> np.ndarray:
         """Read ``section`` into ``out`` (new array if None) and return it.
 
+        A section is exact (step-1 slices and ints inside the array; anything else is a
+        ``SectionError``), as ChemIO's DRA calls are; ``d[key]`` takes NumPy's indexing.
         With ``transpose=True`` the result has the section's axes reversed.
         """
         region, target, out, back = self._prep_read(section, out, transpose)
-        self._run(self._store, False, region, target)
-        if self._sums is not None:
-            self._sums.verify(self._store, region, target)
+        self._read_pieces([(region, target)])
         if back is not None:
             back[...] = target
         return out
@@ -824,28 +896,138 @@ class DiskArray(StoreHandle):
         Elements of the array outside the section, in the same chunks too, are unchanged.
         """
         region, src = self._prep_write(section, data, transpose)
-        self._check_independent_write(region)
-        self._run(self._store, True, region, src)
-        if self._sums is not None:
-            self._sums.updated(self._store, region, src)
+        self._write_pieces([(region, src)])
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        return self.read(key)
+    # ------------------------------------------------------------ NumPy's indexing
+    def _read_selection(self, sel: _indexing.Selection) -> Any:
+        """What ``sel`` selects, as NumPy returns it (the chunks it needs only)."""
+        self._open_store()
+        region = sel.region()
+        if region is not None:
+            core = np.empty(grid.region_shape(region), self.dtype)
+            if core.size:
+                self._read_pieces([(region, core)])
+            return sel.shape_result(core)
+        axes = [_indexing.sort_pick(p) for p in sel.picks]
+        core = np.empty(tuple(len(ax.u) for ax in axes), self.dtype)
+        if core.size:
+            spans = _indexing.plan(axes, self.chunks, self.dtype.itemsize, False,
+                                   self._caps.byte_addressable)
+            batch: list[tuple] = []
+            held = 0
+            for box in _indexing.boxes(spans):
+                region = tuple(slice(s.lo, s.hi) for s in box)
+                tmp = np.empty(grid.region_shape(region), self.dtype)
+                batch.append((box, region, tmp))
+                held += tmp.nbytes
+                if held >= _indexing.BOX_BYTES:
+                    self._scatter(batch, axes, core)
+                    batch, held = [], 0
+            self._scatter(batch, axes, core)
+        return sel.shape_result(_indexing.order_core(core, axes))
+
+    def _scatter(self, batch: list[tuple], axes: list, core: np.ndarray) -> None:
+        """Read a batch of boxes and put their selected elements into ``core``."""
+        if not batch:
+            return
+        self._read_pieces([(region, tmp) for _, region, tmp in batch])
+        for box, _, tmp in batch:
+            part = tmp
+            fancy = []
+            src = []
+            for a, (ax, s) in enumerate(zip(axes, box)):
+                li = _indexing.local_index(ax.u, s)
+                if isinstance(li, slice):
+                    src.append(li)
+                else:
+                    src.append(slice(None))
+                    fancy.append((a, li))
+            part = part[tuple(src)]
+            for a, li in fancy:
+                part = np.take(part, li, axis=a)
+            core[tuple(slice(s.p0, s.p1) for s in box)] = part
+
+    def _write_selection(self, sel: _indexing.Selection, value: Any, key: Any) -> None:
+        """``d[key] = value`` for a parsed key: checked whole first (shape, dtype, repeated
+        indices, the store's veto), then written; nothing is written when a check fails."""
+        self._writable_store()
+        arr = value if isinstance(value, np.ndarray) else _as_values(value, self.dtype)
+        _meta.check_cast(arr.dtype, self.dtype, f"DiskArray {self.name!r}")
+        try:
+            arr = np.broadcast_to(arr, sel.shape)
+        except ValueError:
+            raise SectionError(f"value of shape {arr.shape} does not broadcast to index "
+                               f"{key!r} of shape {sel.shape}; nothing was written") from None
+        core = sel.core_value(arr)
+        region = sel.region()
+        if region is not None:
+            if core.size:
+                self._write_pieces([(region, np.ascontiguousarray(core, self.dtype))])
+            return
+        for a, p in enumerate(sel.picks):
+            if _indexing.repeats(p):
+                raise SectionError(f"index {key!r} repeats an index on axis {a}; a write "
+                                   f"through it would store one of the values at random: "
+                                   f"pass each index once; nothing was written")
+        axes = [_indexing.sort_pick(p) for p in sel.picks]
+        core = _indexing.sort_value(core, sel.picks, axes)
+        if not core.size:
+            return
+        spans = _indexing.plan(axes, self.chunks, self.dtype.itemsize, True,
+                               self._caps.byte_addressable)
+        pieces = [(tuple(slice(s.lo, s.hi) for s in box),
+                   np.ascontiguousarray(core[tuple(slice(s.p0, s.p1) for s in box)],
+                                        self.dtype))
+                  for box in _indexing.boxes(spans)]
+        self._write_pieces(pieces)
+
+    def __getitem__(self, key: Any) -> Any:
+        """NumPy's indexing: slices with any step (out-of-range bounds clipped), ints
+        (full integer indexing gives a NumPy scalar), ``...``, ``None``, and one integer
+        list/array or boolean mask (h5py's lists, NumPy's fancy indexing of one axis);
+        ``d.oindex`` takes one per axis. Reads only the chunks the selection needs."""
+        return self._read_selection(_indexing.parse(key, self.shape))
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """``d[section] = value``; ``value`` broadcasts to the section as in NumPy."""
-        arr = value if isinstance(value, np.ndarray) else _as_values(value, self.dtype)
-        region, squeeze = _sections.parse_section(key, self.shape)
-        shape = tuple(n for n, s in zip(grid.region_shape(region), squeeze) if not s)
-        if arr.shape != shape:
-            try:
-                arr = np.broadcast_to(arr, shape)
-            except ValueError:
-                raise SectionError(f"value of shape {arr.shape} does not broadcast to section "
-                                   f"{key!r} of shape {shape}; nothing was written") from None
-        self.write(key, arr)
+        """``d[key] = value``: the keys of ``d[key]`` (no repeated indices); ``value``
+        broadcasts to the selection as in NumPy. Nothing is written when a check fails."""
+        self._write_selection(_indexing.parse(key, self.shape), value, key)
+
+    @property
+    def oindex(self) -> "_views.OIndex":
+        """Orthogonal indexing as zarr's ``oindex``: an integer array, list or boolean
+        mask per axis selects along that axis alone (``d.oindex[[0, 2], [1, 3]]`` is a
+        2×2 result); reads and writes."""
+        return _views.OIndex(self)
+
+    @property
+    def view(self) -> "_views.Views":
+        """Lazy windows: ``d.view[key]`` is an ``ArrayView`` over the same storage (no
+        copy; keys as ``d.oindex``, no ``None``), itself indexable, writable, iterable in
+        blocks (``iter_blocks``), convertible (``to_dask``)."""
+        return _views.Views(self)
+
+    def _picks(self) -> tuple:
+        return _indexing.full_picks(self.shape)
+
+    def _root(self) -> "DiskArray":
+        return self
+
+    def __iter__(self) -> Any:
+        """The sub-arrays along the first axis, as NumPy iterates (read in blocks)."""
+        return _views.iterate(self)
+
+    def __contains__(self, value: Any) -> bool:
+        """``value in d``: any element equals ``value`` (NumPy's meaning; read in blocks)."""
+        return _views.contains(self, value)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The whole array in memory: always a new array, so ``copy=False`` raises as
+        NumPy 2 requires (``np.asarray(d)`` and ``np.array(d)`` are fine)."""
+        if copy is False:
+            raise ValueError(f"DiskArray {self.name!r} lives on disk; making a NumPy array "
+                             f"of it always copies (np.array(d, copy=False) cannot be "
+                             f"honoured): use np.asarray(d)")
         a = self.read(())
         return a if dtype is None else a.astype(dtype, copy=False)
 
@@ -944,6 +1126,39 @@ class DiskArray(StoreHandle):
         else:
             self._run(store, write, region, arr)
 
+    # ------------------------------------------------------------ attributes and growth
+    @property
+    def attrs(self) -> Any:
+        """The array's persistent attributes: a mapping of str keys to JSON values; each
+        change is collective (``chemio_py.arrays.attrs``)."""
+        from chemio_py.arrays.attrs import Attributes
+        return Attributes(self)
+
+    @property
+    def maxshape(self) -> tuple:
+        """The most each axis may grow to (None: no limit); the shape for a fixed array."""
+        ms = self._meta.maxshape
+        return self._meta.shape if ms is None else ms
+
+    def resize(self, size: Any, axis: int | None = None) -> None:
+        """Collective: change the shape to ``size`` (a tuple), or axis ``axis`` to the
+        int ``size`` (h5py's ``resize(size, axis=)``), within ``maxshape``. Elements inside
+        both shapes keep their values; new ones read as zero (``chemio_py.arrays.growth``)."""
+        from chemio_py.arrays import growth
+        growth.resize(self, size, axis)
+
+    def append(self, data: Any, axis: int = 0) -> tuple:
+        """Collective: grow ``axis`` by ``data``'s length along it and write ``data`` there
+        (as zarr's ``append``; ``data`` with one axis fewer is one slice). Every rank passes
+        the same data. Returns the new shape."""
+        from chemio_py.arrays import growth
+        return growth.append(self, data, axis)
+
+    def _reshaped(self, meta: _meta.Meta) -> None:
+        """Take the metadata ``meta`` (new shape or attributes) on this rank."""
+        self._meta = meta
+        self._layout = grid.Layout(meta.shape, meta.chunks, meta.dtype.itemsize)
+
     # ------------------------------------------------------------ lifetime
     def flush(self) -> None:
         """Wait for this rank's outstanding requests and make its writes durable."""
@@ -1038,13 +1253,15 @@ class DiskArray(StoreHandle):
     # ------------------------------------------------------------ pipelines and interop
     def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,
                     out_dtype: Any = None, *, name: str | None = None,
-                    direct: bool | None = None) -> Pipeline:
+                    direct: bool | None = None, start: int | None = None,
+                    stop: int | None = None) -> Pipeline:
         """Read the array in blocks along ``axis`` with read-ahead: yields ``(section,
         block)`` (``chemio_py.prefetch.iter_blocks``, which says what each argument does;
-        ``direct=True`` reads uncached blocks through O_DIRECT and Linux AIO)."""
+        ``start``/``stop`` bound the range along ``axis``; ``direct=True`` reads uncached
+        blocks through O_DIRECT and Linux AIO)."""
         from chemio_py.prefetch import iter_blocks
         return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype,
-                           name=name, direct=direct)
+                           name=name, direct=direct, start=start, stop=stop)
 
     def to_dask(self, chunks: Any = None) -> dask.array.Array:
         """A dask array reading this one; its chunks are whole multiples of the disk chunks."""
@@ -1064,13 +1281,30 @@ class DiskArray(StoreHandle):
         return from_dask(x, name, **create_kw)
 
     def to_hdf5(self, path: Any, dataset: str, **kw: Any) -> None:
-        """Copy this array into dataset ``dataset`` of HDF5 file ``path`` (collective)."""
+        """Copy this array into dataset ``dataset`` of HDF5 file ``path`` (a path, an open
+        h5py File/Group or chemio H5TmpFile/Group; collective)."""
         from chemio_py.arrays.interop import to_hdf5
         to_hdf5(self, path, dataset, **kw)
 
     @classmethod
-    def from_hdf5(cls, h5file: Any, dataset: str, name: str | None = None,
+    def from_hdf5(cls, h5file: Any, dataset: str | None = None, name: str | None = None,
                   **kw: Any) -> "DiskArray":
-        """A new DiskArray holding dataset ``dataset`` of HDF5 file ``h5file`` (collective)."""
+        """A new DiskArray holding dataset ``dataset`` of HDF5 file ``h5file`` (a path, an
+        open h5py File/Group or chemio H5TmpFile/Group), or of the open dataset ``h5file``
+        (collective)."""
         from chemio_py.arrays.interop import from_hdf5
         return from_hdf5(h5file, dataset, name, **kw)
+
+    # ------------------------------------------------------------ pickling
+    @property
+    def uuid(self) -> str:
+        """The uuid of the array's metadata, new at every ``create`` ('' for an array
+        chemio did not write): tells apart two arrays made at one path one after another."""
+        return self._meta.uuid
+
+    def __reduce__(self) -> tuple:
+        """Pickle as the way to reopen the array (path, backend, mode, uuid), never its
+        store, mappings or locks; what ``pickle.loads`` gives in this process and in others
+        (modes, scratch and ``shm`` arrays, ``mpiio``) is in ``chemio_py.arrays.pickling``."""
+        from chemio_py.arrays.pickling import reduce_array
+        return reduce_array(self, self._meta.uuid)

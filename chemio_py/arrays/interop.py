@@ -15,11 +15,12 @@ these functions, never at ``import chemio_py``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
-import threading
 import uuid as _uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -74,8 +75,10 @@ def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
     grown to about 64 MiB. Tasks read through ``d`` (keep it open while computing), with
     chemio's own read path and its bounds: a hostile object of a ``zarr`` array is the
     ``MetadataError`` that ``d[...]`` raises, never a decompression bomb inflated by
-    zarr-python. A graph sent to other processes (a dask cluster) carries the array's
-    path, which each worker opens read-only with chemio (``_PathReader``)."""
+    zarr-python. A graph sent to other processes (the workers of a ``dask.distributed``
+    cluster) carries ``d`` pickled: each worker process reopens the array by its path, in
+    ``d``'s mode, once while its tasks hold it (``chemio_py.arrays.pickling``; ``shm``
+    arrays only on their node)."""
     import dask.array as da
     if chunks is None:
         chunks = dask_chunks(d.chunks, d.shape, d.dtype.itemsize)
@@ -87,46 +90,12 @@ def to_dask(d: DiskArray, chunks: Any = None) -> dask.array.Array:
                 f"to_dask of DiskArray {d.name!r} (shape {d.shape}) with chunks {chunks} "
                 f"would make {blocks} dask tasks, more than {MAX_DASK_BLOCKS} that dask's "
                 f"scheduler can hold; pass larger chunks=")
-    # A store that others could read without chemio (``as_dask``: ``da.from_zarr``) is
-    # still read through chemio: zarr-python's decoders are not bounded.
-    source: Any = d
-    if d.capabilities.as_dask is not None:
-        source = _PathReader(d)
+    # Read through chemio even where others could read the store without it (``zarr``):
+    # zarr-python's decoders are not bounded. Sent to other processes (a dask cluster), the
+    # graph carries ``d`` pickled: the way to reopen it (``chemio_py.arrays.pickling``).
     name = f"diskarray-{d.name}-{_uuid.uuid4().hex[:12]}"
-    return da.from_array(source, chunks=chunks, name=name, lock=False, fancy=False,
+    return da.from_array(d, chunks=chunks, name=name, lock=False, fancy=False,
                          meta=np.empty((0,) * d.ndim, dtype=d.dtype))
-
-
-class _PathReader:
-    """The source of ``to_dask`` for an array that other processes can open by its path
-    (``zarr``): in this process it reads through ``d``; pickled, it is the path, which a
-    worker opens read-only with ``DiskArray.open`` (once per process) and reads through
-    chemio's bounded path too."""
-
-    _opened: dict = {}                  # (path, backend) -> DiskArray opened in this process
-    _lock = threading.Lock()
-
-    def __init__(self, d: DiskArray):
-        self.path, self.backend = d.path, d.backend
-        self.shape, self.dtype, self.ndim = d.shape, d.dtype, d.ndim
-        self._d: DiskArray | None = d
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_d"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._d = None
-
-    def __getitem__(self, key: Any) -> np.ndarray:
-        d = self._d
-        if d is None:
-            with self._lock:
-                d = self._opened.get((self.path, self.backend))
-                if d is None or d.closed:
-                    d = DiskArray.open(self.path, "r", backend=self.backend)
-                    self._opened[(self.path, self.backend)] = d
-        return d[key]
 
 
 def to_xarray(d: DiskArray, dims: Any = None, coords: Any = None, *, name: str | None = None,
@@ -160,8 +129,9 @@ def _block_regions(chunks: tuple[tuple[int, ...], ...]) -> list[tuple[slice, ...
 class _Counted:
     """A ``da.store`` target writing into DiskArray ``d`` and counting the bytes stored.
 
-    Pickled (for a distributed scheduler's workers) it is ``d`` itself: the bar then moves
-    only when the store returns."""
+    Pickled (for a distributed scheduler's worker processes) it is ``d`` itself, which
+    pickles as the way to reopen it writable (``chemio_py.arrays.pickling``): the bar then
+    moves only when the store returns."""
 
     def __init__(self, d: DiskArray, bar: Progress):
         self.d, self.bar = d, bar
@@ -233,17 +203,74 @@ def _h5_chunks(chunks: tuple, shape: tuple, itemsize: int) -> tuple | None:
     return default_chunks(shape, itemsize)
 
 
+def _is_group(x: Any) -> bool:
+    """An open HDF5-shaped group: h5py's File/Group, chemio's H5TmpFile/Group."""
+    return all(hasattr(x, a) for a in ("create_dataset", "keys", "__getitem__"))
+
+
+def _is_dataset(x: Any) -> bool:
+    """An open HDF5-shaped dataset: h5py's Dataset, chemio's (H5TmpFile) Dataset."""
+    return not _is_group(x) and all(hasattr(x, a) for a in ("read_direct", "shape", "dtype"))
+
+
+def _label(h5file: Any) -> str:
+    if isinstance(h5file, (str, os.PathLike)):
+        return repr(str(h5file))
+    name = getattr(getattr(h5file, "file", None), "filename", None) or getattr(h5file, "name", "")
+    return f"<{type(h5file).__name__} {name}>"
+
+
+@contextlib.contextmanager
+def _h5_group(h5file: Any, mode: str) -> Iterator[Any]:
+    """``h5file`` as an open group: a path is opened with h5py (and closed after); an open
+    h5py File/Group or chemio H5TmpFile/Group is used as it is and left open."""
+    if isinstance(h5file, (str, os.PathLike)):
+        import h5py
+        with h5py.File(h5file, mode) as f:
+            yield f
+        return
+    if not _is_group(h5file):
+        raise ArgumentError(f"expected an HDF5 file path, an open h5py.File/Group or a "
+                            f"chemio H5TmpFile/Group, got {type(h5file).__name__}")
+    if mode != "r" and getattr(getattr(h5file, "file", h5file), "mode", "r+") == "r":
+        raise ArgumentError(f"{_label(h5file)} is open read-only; open it with 'r+' or 'a' "
+                            f"to write a dataset into it")
+    yield h5file
+
+
+@contextlib.contextmanager
+def _h5_dataset(h5file: Any, dataset: str | None) -> Iterator[Any]:
+    """The dataset to read: ``h5file[dataset]`` of a path or an open group, or ``h5file``
+    itself when it is an open dataset (then ``dataset`` is None)."""
+    if _is_dataset(h5file):
+        if dataset not in (None, ""):
+            raise ArgumentError(f"{_label(h5file)} is a dataset already; leave dataset= out "
+                                f"(got {dataset!r})")
+        yield h5file
+        return
+    if not isinstance(dataset, str) or not dataset.strip("/"):
+        raise ArgumentError(f"dataset must name a dataset of {_label(h5file)}, like 'eri' or "
+                            f"'scf/mo_coeff', got {dataset!r}")
+    with _h5_group(h5file, "r") as f:
+        ds = f[dataset] if dataset in f else None
+        if ds is None or not _is_dataset(ds):
+            raise ArgumentError(f"HDF5 file {_label(h5file)} has no dataset {dataset!r}; "
+                                f"its top-level names: {sorted(f.keys())[:20]}")
+        yield ds
+
+
 def to_hdf5(d: DiskArray, path: Any, dataset: str, *, overwrite: bool = False,
             compression: Any = None, progress: Any = False, mode: str = "a",
             slab_bytes: int = SLAB_BYTES) -> None:
-    """Copy DiskArray ``d`` into dataset ``dataset`` of HDF5 file ``path`` (collective:
+    """Copy DiskArray ``d`` into dataset ``dataset`` of HDF5 file ``path`` — a path, an
+    open h5py File/Group, or a chemio ``H5TmpFile``/``Group`` (left open) — (collective:
     rank 0 writes, the others wait). The dataset is chunked like ``d``; ``compression``
     goes to h5py. An existing dataset is replaced only with ``overwrite=True``. The next
     slab is read from disk while the current one is written to HDF5. ``progress``: see
     ``chemio_py.runtime.progress`` (bytes copied)."""
     _check_progress(progress)
     c = d.comm
-    with c.agree(f"DiskArray {d.name!r} to_hdf5({str(path)!r}, {dataset!r})"):
+    with c.agree(f"DiskArray {d.name!r} to_hdf5({_label(path)}, {dataset!r})"):
         if c.rank == 0:
             _to_hdf5(d, path, dataset, overwrite, compression, progress, mode, slab_bytes)
 
@@ -254,10 +281,21 @@ def _to_hdf5(d: DiskArray, path: Any, dataset: str, overwrite: bool, compression
     if not isinstance(dataset, str) or not dataset.strip("/"):
         raise ArgumentError(f"dataset must be a non-empty name like 'eri' or 'scf/mo_coeff', "
                             f"got {dataset!r}")
-    with h5py.File(path, mode) as f:
+    chemio_target = not isinstance(path, (str, os.PathLike)) and \
+        not type(path).__module__.startswith("h5py")
+    if not chemio_target:
+        try:                            # before the file is touched
+            h5py.h5t.py_create(d.dtype, logical=True)
+        except TypeError:
+            raise ArgumentError(
+                f"HDF5 has no type for dtype {d.dtype} of DiskArray {d.name!r} (h5py stores "
+                f"numbers, S/V bytes and structured records, not U text or "
+                f"datetime64/timedelta64): convert it first (U to S bytes, times to int64); "
+                f"nothing was written") from None
+    with _h5_group(path, mode) as f:
         if dataset in f:
             if not overwrite:
-                raise ArgumentError(f"HDF5 file {str(path)!r} already has {dataset!r}; pass "
+                raise ArgumentError(f"HDF5 file {_label(path)} already has {dataset!r}; pass "
                                     f"overwrite=True to replace it or choose another name")
             del f[dataset]
         ds = f.create_dataset(dataset, shape=d.shape, dtype=d.dtype,
@@ -292,10 +330,15 @@ def _default_name(dataset: str) -> str:
     return re.sub(r"\.\.+", ".", n)[:200]
 
 
-def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any = None,
+def from_hdf5(h5file: Any, dataset: str | None = None, name: str | None = None, *,
+              chunks: Any = None,
               request_shape: Any = None, progress: Any = False, comm: Any = None,
               slab_bytes: int = SLAB_BYTES, **create_kw: Any) -> DiskArray:
     """A new DiskArray holding dataset ``dataset`` of HDF5 file ``h5file`` (collective).
+
+    ``h5file`` is a path, an open h5py File/Group or chemio ``H5TmpFile``/``Group`` (left
+    open; each rank passes its own handle), or an open dataset itself (h5py's, or one of an
+    ``H5TmpFile``; then ``dataset`` is left out).
 
     ``name`` defaults to the dataset's name with unusual characters replaced. Each rank
     copies its block of rows (``block_section``); h5py reads of the next slab and the
@@ -305,24 +348,20 @@ def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any
     """
     _check_progress(progress)
     c = _resolve_comm(comm)
-    what = f"DiskArray.from_hdf5({str(h5file)!r}, {dataset!r})"
+    what = f"DiskArray.from_hdf5({_label(h5file)}, {dataset!r})"
     info: Any = None
     with c.agree(what):
         if c.rank == 0:
-            import h5py
-            with h5py.File(h5file, "r") as f:
-                if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
-                    raise ArgumentError(f"HDF5 file {str(h5file)!r} has no dataset {dataset!r}; "
-                                        f"its top-level names: {sorted(f.keys())[:20]}")
-                ds = f[dataset]
-                dt = _meta.check_dtype(ds.dtype, f"HDF5 dataset {dataset!r} dtype")
-                info = (tuple(ds.shape), dt.str)
+            with _h5_dataset(h5file, dataset) as ds:
+                label = dataset or str(getattr(ds, "name", "") or "dataset")
+                dt = _meta.check_dtype(ds.dtype, f"HDF5 dataset {label!r} dtype")
+                info = (tuple(ds.shape), dt, label)
     if c.size > 1:
         info = c.bcast(info)
-    shape, dstr = info
+    shape, dstr, label = info
     if len(shape) == 0:
-        raise ArgumentError(f"HDF5 dataset {dataset!r} is a scalar; DiskArrays have >= 1 axis")
-    d = DiskArray.create(name or _default_name(dataset), shape, dstr, chunks=chunks,
+        raise ArgumentError(f"HDF5 dataset {label!r} is a scalar; DiskArrays have >= 1 axis")
+    d = DiskArray.create(name or _default_name(label), shape, dstr, chunks=chunks,
                          request_shape=request_shape, comm=c, **create_kw)
     try:
         with c.agree(what):
@@ -335,9 +374,8 @@ def from_hdf5(h5file: Any, dataset: str, name: str | None = None, *, chunks: Any
     return d
 
 
-def _from_hdf5(d: DiskArray, h5file: Any, dataset: str, mine: tuple, progress: Any,
+def _from_hdf5(d: DiskArray, h5file: Any, dataset: str | None, mine: tuple, progress: Any,
                slab_bytes: int) -> None:
-    import h5py
     lo, hi = mine[0].start, mine[0].stop
     if hi <= lo:
         return
@@ -345,9 +383,8 @@ def _from_hdf5(d: DiskArray, h5file: Any, dataset: str, mine: tuple, progress: A
     bufs = [np.empty(grid.region_shape(slabs[0]), d.dtype) for _ in range(2)]
     total = sum(grid.region_nbytes(s, d.dtype.itemsize) for s in slabs)
     req, prev = None, 0
-    with Progress(progress, total, f"from_hdf5 {dataset}") as bar, \
-            h5py.File(h5file, "r") as f:
-        ds = f[dataset]
+    with Progress(progress, total, f"from_hdf5 {dataset or 'dataset'}") as bar, \
+            _h5_dataset(h5file, dataset) as ds:
         for i, s in enumerate(slabs):
             buf = bufs[i % 2][: s[0].stop - s[0].start]
             ds.read_direct(buf, source_sel=s)

@@ -612,6 +612,13 @@ class ByteFile(StoreHandle):
         except Exception:       # a repr never raises
             return None
 
+    def __reduce__(self) -> Any:
+        """A byte file pickles as the way to reopen it (``chemio_py.files.pickling``), never
+        its descriptors or mappings; a subclass that does not say how is refused."""
+        raise TypeError(f"a {type(self).__name__} cannot be pickled (its descriptors and "
+                        f"mappings belong to this process); ExclusiveFile, SharedFile and "
+                        f"RecordFile pickle as the way to reopen them")
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"mode {self._mode!r}"
         size = self._size_or_none()

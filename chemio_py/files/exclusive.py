@@ -14,10 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import chemio_py.backends as _backends
+from chemio_py.errors import ModeError
+from chemio_py.files import pickling
 from chemio_py.files.bytefile import ByteFile, check_mode, check_offset, check_size_hint
 from chemio_py.runtime import config, handles
 from chemio_py.runtime.comm import comm
 from chemio_py.scratch import fs, jobs
+from chemio_py.scratch.reopen import check_state
 
 
 def _locate(name: str, backend: str | None, dir: str | None) -> tuple[Any, str, str]:
@@ -39,7 +42,12 @@ class ExclusiveFile(ByteFile):
     extends the file and holes read as zeros; reading past the end raises
     ``EndOfFileError``. Files in the job scratch are removed at exit; files in an explicit
     ``dir`` are the caller's and stay.
+
+    Pickled, it is the way to reopen it: another process on the same node gets a read-only
+    copy that never owns the file (``chemio_py.files.pickling``).
     """
+
+    _copy = False                       # a copy unpickled in another process
 
     def __init__(self, name: str, mode: str = "w+", *, backend: str | None = None,
                  dir: str | None = None, size_hint: int | None = None, direct: bool | None = None):
@@ -79,11 +87,20 @@ class ExclusiveFile(ByteFile):
     def delete(self) -> None:
         """Close the file (waiting for its requests) and remove it."""
         path = self.path
+        if self._copy:
+            raise ModeError(f"ExclusiveFile {self.name!r} ({path!r}) is a read-only copy "
+                            f"unpickled in another process than its owner, which alone "
+                            f"removes it; close() the copy instead; nothing was removed")
         try:
             self.close()
         finally:
             self._backend_obj.remove(path)
             jobs.disown(path)
+
+    def __reduce__(self) -> tuple:
+        """Pickle as the way to reopen the file: in another process on this node a
+        read-only copy (``chemio_py.files.pickling``), in this one the file itself."""
+        return (reopen, (pickling.state_of(self, "ExclusiveFile"),))
 
     @staticmethod
     def remove(name: str, *, backend: str | None = None, dir: str | None = None) -> bool:
@@ -95,3 +112,19 @@ class ExclusiveFile(ByteFile):
         jobs.disown(path)
         removed: bool = be.remove(path)
         return removed
+
+
+def reopen(state: dict) -> ExclusiveFile:
+    """Unpickle an ExclusiveFile: the file itself in the process that pickled it while it
+    is open, else a read-only copy that does not own it (``chemio_py.files.pickling``)."""
+    state = check_state(state, "ExclusiveFile")
+    alive: ExclusiveFile | None = pickling.live(state)
+    if alive is not None:
+        return alive
+    be, be_name, mode, store = pickling.open_copy(state, "r", private=True)
+    f = ExclusiveFile.__new__(ExclusiveFile)
+    f.name = state["name"]
+    f._backend_obj = be
+    f._copy = True
+    ByteFile.__init__(f, store, be_name, mode)
+    return f

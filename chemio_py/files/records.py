@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from chemio_py.errors import ArgumentError, ChemIOError, LimitExceededError, ModeError
-from chemio_py.files.exclusive import ExclusiveFile
+from chemio_py.files.exclusive import ExclusiveFile, reopen as reopen_exclusive
+from chemio_py.files.pickling import live
 from chemio_py.files.recordformat import (
     COLUMNS,
     DEFAULT_PAGE,
@@ -67,6 +68,7 @@ from chemio_py.files.recordformat import (
 )
 from chemio_py.prefetch import Pipeline, WriteBehind, check_depth, quiet_wait
 from chemio_py.runtime import pool, reprs, requests, stats
+from chemio_py.scratch.reopen import check_state, token
 
 
 class RecordFile:
@@ -94,6 +96,9 @@ class RecordFile:
       ``raw_nbytes``: the uncompressed stream; ``len(log)``: the number of records;
       ``RecordFile.record_nbytes(*arrays)``: stream bytes one record takes;
       ``recovered``: None, or why the file was opened at its previous commit.
+
+    * Pickled, it is the way to reopen it: another process on this node gets a read-only
+      copy replaying the records of the last commit (``chemio_py.files.pickling``).
 
     An error of a write behind surfaces at the next ``append``/``flush``/``close`` and
     leaves the file failed (every later call raises it; the last commit stays readable).
@@ -150,7 +155,7 @@ class RecordFile:
         self.recovered: str | None = None
         self._replays: "weakref.WeakSet[_Replay]" = weakref.WeakSet()
         self._wb = None
-        self._f = ExclusiveFile(name, mode, backend=backend, dir=dir, size_hint=size_hint)
+        self._f = self._open_file(name, mode, backend, dir, size_hint)
         try:
             if new:
                 self._f.write(0, HMAGIC + bytes(HEADER - len(HMAGIC)))
@@ -162,6 +167,19 @@ class RecordFile:
         except BaseException:
             self._f.close()
             raise
+
+    def _open_file(self, name: str, mode: str, backend: str | None, dir: str | None,
+                   size_hint: int | None) -> ExclusiveFile:
+        """The ExclusiveFile under the records (``_Copy`` opens a pickled one)."""
+        return ExclusiveFile(name, mode, backend=backend, dir=dir, size_hint=size_hint)
+
+    def __reduce__(self) -> tuple:
+        """Pickle as the way to reopen the file: in another process on this node a
+        read-only copy replaying the records of the last commit (``flush()`` first), in
+        this one the file itself (``chemio_py.files.pickling``)."""
+        file_state = self._f.__reduce__()[1][0]
+        return (reopen, ({**file_state, "kind": "RecordFile", "token": token(self),
+                          "file": file_state},))
 
     # ------------------------------------------------------------ properties
     @property
@@ -597,6 +615,26 @@ class RecordFile:
                 ("compressor", self.compressor or "none"),
                 ("state", "closed" if self.closed else f"open, mode {self._mode!r}")]
         return reprs.table(f"RecordFile {self.name!r}", rows + self._f._html_rows())
+
+
+class _Copy(RecordFile):
+    """A read-only RecordFile over the ExclusiveFile of a pickled one."""
+
+    def __init__(self, state: dict):
+        self._pickled = state
+        super().__init__(state["name"], "r")
+
+    def _open_file(self, name: str, mode: str, backend: str | None, dir: str | None,
+                   size_hint: int | None) -> ExclusiveFile:
+        return reopen_exclusive(self._pickled["file"])
+
+
+def reopen(state: dict) -> RecordFile:
+    """Unpickle a RecordFile: the file itself in the process that pickled it while it is
+    open, else a read-only copy replaying the last commit (``chemio_py.files.pickling``)."""
+    state = check_state(state, "RecordFile")
+    log = live(state)
+    return log if log is not None else _Copy(state)
 
 
 def _align(n: int) -> int:

@@ -30,11 +30,13 @@ from typing import Any
 
 import chemio_py.backends as _backends
 from chemio_py.errors import ArgumentError, LimitExceededError, NotSharedError, OutOfSpaceError
+from chemio_py.files import pickling
 from chemio_py.files.bytefile import ByteFile, check_offset
 from chemio_py.runtime import config, reprs, requests
 from chemio_py.runtime.collective import Creation
-from chemio_py.runtime.comm import Comm, resolve as _resolve_comm
+from chemio_py.runtime.comm import Comm, SerialComm, resolve as _resolve_comm
 from chemio_py.scratch import fs, jobs
+from chemio_py.scratch.reopen import check_state
 
 SUFFIX = ".sf"
 GROW_STEP = 8 << 20          # reservation grows ahead of the writes by at least this much
@@ -176,6 +178,9 @@ class SharedFile(ByteFile):
 
     With neither hint the file is a plain sparse file. ``with SharedFile(...) as sf:``
     destroys the file (collectively) at the end of the block.
+
+    Pickled, it is the way to reopen it: another process gets a read/write copy that is
+    not collective and never removes the file (``chemio_py.files.pickling``).
     """
 
     def __init__(self, name: str, *, hard_limit: int | None = None,
@@ -201,6 +206,14 @@ class SharedFile(ByteFile):
             ByteFile.__init__(self, mk.store, mk.be_name, "r+")
             return self
         mk.claim(path, build)
+
+    def __reduce__(self) -> tuple:
+        """Pickle as the way to reopen the file: in another process a read/write copy, not
+        collective, that never removes it (``chemio_py.files.pickling``); in this one the
+        file itself."""
+        return (reopen, (pickling.state_of(self, "SharedFile", hard_limit=self.hard_limit,
+                                           soft_limit=self.soft_limit,
+                                           request_size=self.request_size),))
 
     def _supersede(self, reason: str) -> list[BaseException]:
         self._replaced = True           # its destroy() must not remove the new file
@@ -324,6 +337,34 @@ class SharedFile(ByteFile):
                        ("soft limit", reprs.size_text(self.soft_limit)
                         if self.soft_limit is not None else "none"),
                        ("reserved", reprs.size_text(self._reserved))]
+
+
+def reopen(state: dict) -> SharedFile:
+    """Unpickle a SharedFile: the file itself in the process that pickled it while it is
+    open, else a copy opened by this process alone (``chemio_py.files.pickling``): mode
+    ``r+`` (``r`` for ``mpiio``), the same limits, ``close()``/``destroy()`` close the copy
+    only."""
+    state = check_state(state, "SharedFile")
+    alive: SharedFile | None = pickling.live(state)
+    if alive is not None:
+        return alive
+    be, be_name, mode, store = pickling.open_copy(state, "r+", private=False)
+    f = SharedFile.__new__(SharedFile)
+    f.name = state["name"]
+    f.hard_limit = state["hard_limit"]
+    f.soft_limit = state["soft_limit"]
+    f.request_size = state["request_size"]
+    f.comm = SerialComm()
+    f._backend_obj = be
+    f._reserved = 0
+    f._grow = False                     # the creating ranks reserve; a copy only writes
+    f._grow_step = GROW_STEP
+    f._grow_lock = threading.Lock()
+    f._replaced = True                  # not the owner: destroy() never removes the file
+    f._destroyed = False
+    f._sf_path = state["path"]
+    ByteFile.__init__(f, store, be_name, mode)
+    return f
 
 
 def _group_tag(c: Comm) -> str:

@@ -185,8 +185,10 @@ def test_metadata_validation():
         _meta.validate(dict(good, checksum="md5"))
     with pytest.raises(cio.MetadataError, match="checksum"):
         _meta.validate(dict(good, format=1))
+    with pytest.raises(cio.MetadataError, match="checksum"):
+        _meta.validate(dict(good, format=3))          # resizable arrays have no checksums
     with pytest.raises(cio.MetadataError, match="newer chemio_py"):
-        _meta.validate(dict(good, format=3))
+        _meta.validate(dict(good, format=max(_meta.FORMATS) + 1))
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, np.bool_(True)])

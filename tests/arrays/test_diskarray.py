@@ -311,8 +311,8 @@ def test_section_and_data_errors_write_nothing(arr_store, tmp_path):
 
 
 def test_create_errors_create_nothing(arr_store, tmp_path):
-    for kw in [dict(shape=(-1, 3)), dict(shape=(2.5, 3)), dict(dtype="O"), dict(dtype="U4"),
-               dict(dtype="float16"), dict(chunks=(0, 3)), dict(chunks=(2,)),
+    for kw in [dict(shape=(-1, 3)), dict(shape=(2.5, 3)), dict(dtype="O"), dict(dtype="M8"),
+               dict(dtype=[("a", "O")]), dict(chunks=(0, 3)), dict(chunks=(2,)),
                dict(request_shape=(1,)), dict(request_shape=(0, 3)), dict(name="a/b"),
                dict(name=".."), dict(persistent=True), dict(shape=(10**15, 10**15)),
                dict(shape=()), dict(path=tmp_path / "no" / "such" / "dir.dra")]:

@@ -45,10 +45,20 @@ HOSTILE = [
     ("unknown dtype", good_doc(dtype="<f16"), "dtype"),
     ("object dtype", good_doc(dtype="|O"), "dtype"),
     ("object name", good_doc(dtype="object"), "dtype"),
-    ("string dtype", good_doc(dtype="<U8"), "dtype"),
-    ("structured dtype", good_doc(dtype=[["a", "<f8"]]), "dtype"),
+    ("string dtype", good_doc(dtype="<U0"), "dtype"),
+    ("object field", good_doc(dtype=[["a", "|O"]]), "dtype"),
     ("subarray dtype", good_doc(dtype="(1000000000,)f8"), "dtype"),
-    ("float16", good_doc(dtype="<f2"), "dtype"),
+    ("long double", good_doc(dtype="<f16"), "dtype"),
+    ("generic datetime", good_doc(dtype="<M8"), "dtype"),
+    ("huge bytes", good_doc(dtype="|S9999999"), "bytes"),
+    ("huge subarray", good_doc(dtype=[["a", "<f8", [1 << 40]]]), "subarray"),
+    ("deep structure", good_doc(dtype=json.loads('[["a", ' * 12 + '"<f8"' + ']]' * 12)),
+     "deep"),
+    ("many fields", good_doc(dtype=[[f"f{i}", "u1"] for i in range(2000)]), "fields"),
+    ("twice a name", good_doc(dtype=[["a", "u1"], ["a", "u1"]]), "twice"),
+    ("named padding", good_doc(dtype=[["", "<f8"]]), "padding"),
+    ("field not a pair", good_doc(dtype=[["a"]]), "field"),
+    ("dtype a number", good_doc(dtype=8), "dtype"),
     ("newer format", good_doc(format=2), "newer"),
     ("format string", good_doc(format="1"), "format"),
     ("not an object", [1, 2, 3], "JSON object"),
@@ -57,7 +67,7 @@ HOSTILE = [
     ("bad name", good_doc(name="a/b"), "plain name"),
     ("wrong nbytes", good_doc(nbytes=7), "nbytes"),
     ("F order", good_doc(order="F"), "order"),
-    ("byte order clash", good_doc(dtype=">f8"), "byte_order"),
+    ("bad byte_order", good_doc(byte_order="middle"), "byte_order"),
     ("bad persistent", good_doc(persistent="yes"), "persistent"),
 ]
 
@@ -110,11 +120,13 @@ def test_write_atomic_replaces_whole_documents(tmp_path):
 
 def test_user_dtypes_and_shapes():
     for ok in ("bool", "i1", "int16", "<i4", "int64", "u1", "uint16", "u4", "uint64",
-               "f4", "float64", "complex64", "c16", ">f8"):
+               "f4", "float64", "complex64", "c16", ">f8", "f2", "U3", "M8[s]", "V8",
+               [("a", "f8")], ">m8[10ms]", "S7"):
         dt = meta.check_dtype(ok)
-        assert dt.isnative
-    for bad in ("O", "U3", "f2", "M8[s]", "V8", [("a", "f8")], "nonsense", np.float128):
-        with pytest.raises(ArgumentError):
+        assert dt == np.dtype(ok) and dt.str == np.dtype(ok).str      # byte order kept
+        assert meta.dtype_from_doc(json.loads(json.dumps(meta.dtype_doc(dt)))) == dt
+    for bad in ("O", "M8", "U0", "T", [("a", "O")], ("f8", (3,)), "nonsense", np.float128):
+        with pytest.raises(ArgumentError, match="fixed-size"):
             meta.check_dtype(bad)
     assert meta.check_shape(5) == (5,)
     assert meta.check_shape((np.int64(3), 4)) == (3, 4)
