@@ -29,6 +29,7 @@ import errno
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -44,6 +45,8 @@ from typing import Any
 from chemio_py.errors import InvalidNameError, StorageError
 from chemio_py.runtime import config
 from chemio_py.runtime.ownfiles import write_all
+
+_log = logging.getLogger(__name__)
 
 BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "COBALT_JOBID",
                   "FLUX_JOB_ID")
@@ -783,8 +786,12 @@ def cleanup() -> None:
     for path, remove in owned:          # one failure never stops the rest
         try:
             remove(path)
+            _log.debug("cleanup removed %s", path)
         except Exception as e:  # noqa: BLE001 - reported below
             failed.append(f"{path}: {type(e).__name__}: {e}")
+    if owned:
+        _log.info("cleanup: removed %d scratch object(s) of pid %d", len(owned) - len(failed),
+                  pid)
     for j in dirs:
         _leave_job_dir(j)
     if failed:
