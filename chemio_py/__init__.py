@@ -17,13 +17,19 @@ communicator, requests, stats), ``scratch/`` (where files go, who removes them),
 ``files/`` (ExclusiveFile, SharedFile, RecordFile), ``arrays/`` (DiskArray), ``tools/``
 (what ``chemio ls|check|trace`` show) and ``backends/`` (the bytes).
 """
+from typing import TYPE_CHECKING
+
+import logging
+
 from chemio_py import _imports
 
 _imports.install()
+logging.getLogger("chemio_py").addHandler(logging.NullHandler())
 
 from chemio_py import errors, sync  # noqa: E402
 from chemio_py._version import __version__  # noqa: E402
 from chemio_py.arrays.diskarray import DiskArray, block_section  # noqa: E402
+from chemio_py.arrays.container import Group, H5TmpFile  # noqa: E402
 from chemio_py.backends.posix import aligned_empty  # noqa: E402
 from chemio_py.errors import (  # noqa: E402
     BackendUnavailableError, ChecksumError, ChemIOError, EndOfFileError, LimitExceededError,
@@ -32,7 +38,11 @@ from chemio_py.errors import (  # noqa: E402
 from chemio_py.files.exclusive import ExclusiveFile  # noqa: E402
 from chemio_py.files.records import RecordFile  # noqa: E402
 from chemio_py.files.shared import SharedFile  # noqa: E402
-from chemio_py.prefetch import WriteBehind, prefetch  # noqa: E402
+if TYPE_CHECKING:      # type checkers see the function, the documented call
+    from chemio_py.prefetch import prefetch
+else:                  # the module, which calling calls prefetch()
+    from chemio_py import prefetch  # noqa: E402
+from chemio_py.prefetch import WriteBehind  # noqa: E402
 from chemio_py.runtime.comm import comm  # noqa: E402
 from chemio_py.runtime.config import configure, settings  # noqa: E402
 from chemio_py.runtime.requests import Request, completed, waitall, waitany  # noqa: E402
@@ -48,7 +58,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "DiskArray", "block_section",
+    "DiskArray", "block_section", "H5TmpFile", "Group",
     "prefetch", "WriteBehind", "RecordFile",
     "SharedFile", "sync",
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",

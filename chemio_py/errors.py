@@ -151,6 +151,13 @@ class InvalidNameError(ArgumentError):
     """A scratch name is not a plain file name."""
 
 
+class NotFoundError(ChemIOError, KeyError):
+    """A name is not in a container (``H5TmpFile`` group, attributes); also a ``KeyError``."""
+
+    def __str__(self) -> str:           # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
 class LimitExceededError(ChemIOError):
     """A write would pass a hard size limit; nothing was written."""
 
@@ -267,7 +274,8 @@ __all__ = [
     "ChemIOError", "ArgumentError", "ConfigError", "CancelledError", "StorageError",
     "OutOfSpaceError", "UnobservedIOError", "SupersededError",
     "EndOfFileError", "SectionError",
-    "ModeError", "InvalidNameError", "LimitExceededError", "MetadataError", "ChecksumError",
+    "ModeError", "InvalidNameError", "NotFoundError", "LimitExceededError", "MetadataError",
+    "ChecksumError",
     "BackendUnavailableError", "CollectiveError", "CollectiveMismatchError",
     "CollectiveTimeoutError", "NotSharedError", "SyncError",
     "SpillWarning",

@@ -81,8 +81,8 @@ def test_semi_direct_scf_serial(store, tmp_path):
     r = run_example("semi_direct_scf", ["--atom", WATER, "--basis", "cc-pvdz",
                                         "--backend", store, "--quiet"], tmp_path)
     assert r["abs_error"] < 1e-8
-    assert r["converged"] and r["backend"] == store
-    assert r["stored_batches"] == round(0.5 * r["batches"]) and r["overflow_batches"] == 0
+    assert r["converged"] and r["backend"] == store and r["method"] == "rhf"
+    assert r["stored_batches"] == r["batches"] > 0 and r["overflow_batches"] == 0
     # the cache was written once and replayed every later iteration
     assert r["io"]["bytes_written"] >= r["stored_bytes"]
     assert r["io"]["bytes_read"] >= (r["iterations"] - 1) * r["stored_bytes"]
@@ -94,21 +94,26 @@ def test_semi_direct_scf_serial(store, tmp_path):
 
 
 def test_semi_direct_scf_screening_and_overflow(tmp_path):
-    """Two far-apart H2: Schwarz drops batches; a tiny cache budget sends batches back to
-    direct recomputation. The energy is unchanged."""
+    """Two far-apart H2 and a tiny memory budget: Schwarz drops batches; a tiny cache budget
+    sends batches back to direct recomputation. The energy is unchanged."""
     atom = "H 0 0 0; H 0 0 0.74; H 0 0 12; H 0 0 12.74"
-    r = run_example("semi_direct_scf", ["--atom", atom, "--basis", "sto-3g", "--group-ao", "1",
-                                        "--stored-fraction", "1", "--max-disk", "0.0001",
-                                        "--quiet"], tmp_path)
+    r = run_example("semi_direct_scf", ["--atom", atom, "--basis", "sto-3g", "--max-memory",
+                                        "0.001", "--max-disk", "0.0001", "--quiet"], tmp_path)
     assert r["abs_error"] < 1e-8
     assert r["screened_batches"] > 0
-    assert 0 < r["overflow_batches"] < r["stored_batches"]
+    assert 0 < r["overflow_batches"] and r["stored_batches"] + r["overflow_batches"] == \
+        r["batches"]
+
+
+def test_semi_direct_scf_uhf(tmp_path):
+    r = run_example("semi_direct_scf", ["--atom", "O 0 0 0; H 0 0 0.97", "--basis", "6-31g",
+                                        "--spin", "1", "--method", "uhf", "--quiet"], tmp_path)
+    assert r["abs_error"] < 1e-8 and r["method"] == "uhf"
 
 
 @pytest.mark.mpi
 def test_semi_direct_scf_mpi(tmp_path):
-    r = run_example("semi_direct_scf", ["--basis", "cc-pvdz", "--stored-fraction", "0.3",
-                                        "--quiet"], tmp_path, n=2)
+    r = run_example("semi_direct_scf", ["--basis", "cc-pvdz", "--quiet"], tmp_path, n=2)
     assert r["ranks"] == 2 and r["io"]["ranks"] == 2
     assert r["abs_error"] < 1e-8
     assert r["io"]["files"] == 2                       # one cache (EAF) per rank

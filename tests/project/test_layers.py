@@ -262,7 +262,7 @@ WINGS = {
     "chemio_py.files": 4, "chemio_py.arrays": 4, "chemio_py.prefetch": 4, "chemio_py.sync": 4,
     "chemio_py.tools": 5,
     "chemio_py": 6,
-    "chemio_py.cli": 7, "chemio_py.testing": 7,
+    "chemio_py.cli": 7, "chemio_py.testing": 7, "chemio_py.pyscf": 7,
 }
 
 

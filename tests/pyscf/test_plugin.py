@@ -1,0 +1,320 @@
+"""``chemio_py.pyscf``: PySCF's own out-of-core methods on chemio give PySCF's energies.
+
+Each method runs twice in one process, on PySCF's h5py scratch (the model) and inside
+``chemio_py.pyscf.patch(backend=...)``, with ``max_memory`` forced small enough to take
+its out-of-core branch; the energies agree to 1e-10 Eh and the plug-in's counters and
+chemio's I/O statistics show that chemio carried the scratch. Also: ``enable``/``disable``
+put back exactly what was there (nested, and after errors), ``call_in_background`` keeps
+PySCF's semantics on chemio's pool, and named ``lib.H5TmpFile(name)`` stay h5py files.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+import threading
+
+import h5py
+import numpy as np
+import pytest
+
+pyscf = pytest.importorskip("pyscf")
+from pyscf import ao2mo, cc, ci, df, gto, lib, mcscf, mp, scf  # noqa: E402
+from pyscf.lib import linalg_helper, misc  # noqa: E402
+
+import chemio_py as cio  # noqa: E402
+import chemio_py.pyscf as cpyscf  # noqa: E402
+from chemio_py.runtime import stats  # noqa: E402
+
+patch_mod = importlib.import_module("chemio_py.pyscf.plugin")
+
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def water():
+    mol = gto.M(atom="O 0 0 0; H 0 -0.757 0.587; H 0 0.757 0.587", basis="6-31g",
+                verbose=0)
+    mf = scf.RHF(mol).run(conv_tol=1e-12)
+    return mol, mf
+
+
+@pytest.fixture(scope="module")
+def water_min():
+    mol = gto.M(atom="O 0 0 0; H 0 -0.757 0.587; H 0 0.757 0.587", basis="sto-3g",
+                verbose=0)
+    mf = scf.RHF(mol).run(conv_tol=1e-12)
+    return mol, mf
+
+
+def _both(fn, backend):
+    """fn() on h5py, then on chemio: (reference, result, usage change, bytes written)."""
+    ref = fn()
+    before = cpyscf.usage()
+    stats.reset()
+    with cpyscf.patch(backend=backend):
+        got = fn()
+    after = cpyscf.usage()
+    written = stats.snapshot()["total"]["bytes_written"]
+    return ref, got, {k: after[k] - before[k] for k in after}, written
+
+
+# ---------------------------------------------------------------- PySCF's methods
+
+@pytest.mark.parametrize("backend", ["local", "shm", "auto"])
+def test_ao2mo_outcore_general(water, backend):
+    mol, mf = water
+    mo = mf.mo_coeff
+
+    def run():
+        with lib.H5TmpFile() as f:
+            ao2mo.outcore.general(mol, (mo, mo[:, :4], mo, mo), f, "eri_mo", max_memory=1,
+                                  ioblk_size=0.05)
+            return np.asarray(f["eri_mo"])
+    ref, got, used, written = _both(run, backend)
+    assert np.abs(ref - got).max() <= TOL
+    assert used["h5tmpfiles"] >= 2 and written > ref.nbytes
+
+
+@pytest.mark.parametrize("backend", ["local", "shm"])
+def test_ccsd_outcore_eris(water_min, backend):
+    mol, mf = water_min
+
+    def run():
+        m = cc.CCSD(mf)
+        m.max_memory = 1                    # _make_eris_outcore
+        m.conv_tol = 1e-11
+        m.kernel()
+        assert not isinstance(m.ao2mo().ovov, np.ndarray)
+        return m.e_corr
+    ref, got, used, written = _both(run, backend)
+    assert abs(ref - got) <= TOL
+    assert used["h5tmpfiles"] > 0 and used["background_calls"] > 0 and written > 0
+
+
+def test_cisd_outcore(water_min):
+    mol, mf = water_min
+
+    def run():
+        m = ci.CISD(mf)
+        m.max_memory = 1
+        m.conv_tol = 1e-11
+        m.kernel()
+        return m.e_corr
+    ref, got, used, written = _both(run, "auto")
+    assert abs(ref - got) <= TOL
+    assert used["h5tmpfiles"] > 0 and written > 0
+
+
+def test_casscf_mc_ao2mo(water_min):
+    mol, mf = water_min
+
+    def run():
+        m = mcscf.CASSCF(mf, 4, 4)
+        m.max_memory = 1                    # mc_ao2mo on H5TmpFiles
+        m.conv_tol = 1e-11
+        m.kernel()
+        return m.e_tot
+    ref, got, used, written = _both(run, "shm")
+    assert abs(ref - got) <= TOL
+    assert used["h5tmpfiles"] > 0 and written > 0
+
+
+def test_dfmp2_outcore(water):
+    mol, mf = water
+
+    def run():
+        m = mp.dfmp2.DFMP2(mf)
+        m.force_outcore = True              # ovL in an H5TmpFile
+        m.kernel(with_t2=False)
+        assert not isinstance(m._eris.ovL, np.ndarray) if hasattr(m, "_eris") else True
+        return m.e_corr
+    ref, got, used, written = _both(run, "local")
+    assert abs(ref - got) <= TOL
+    assert used["h5tmpfiles"] > 0 and written > 0
+
+
+def test_df_outcore_cholesky_eri(water, tmp_path):
+    """PySCF names these files itself (h5py stays); its prefetch runs on chemio's pool."""
+    mol, _ = water
+
+    def run():
+        with tempfile.NamedTemporaryFile(dir=tmp_path) as t:
+            df.outcore.cholesky_eri(mol, t.name, auxbasis="weigend", max_memory=1)
+            with h5py.File(t.name, "r") as f:
+                return np.asarray(f["j3c"])
+    ref, got, used, _ = _both(run, "shm")
+    assert np.abs(ref - got).max() <= TOL
+    assert used["prefetch_maps"] > 0
+
+
+@pytest.mark.parametrize("backend", ["local", "auto"])
+def test_davidson_subspace_on_disk(backend):
+    rng = np.random.default_rng(1)
+    n = 300
+    a = rng.random((n, n))
+    a = a + a.T + np.diag(np.arange(n) * 10.0)
+    diag = a.diagonal()
+
+    def run():
+        e, _ = lib.davidson(lambda x: a @ x, np.eye(n)[0],
+                            lambda dx, e, x0: dx / (diag - e + 1e-8),
+                            max_memory=1e-3, tol=1e-12, nroots=2)   # _Xlist, not lists
+        return np.asarray(e)
+    ref, got, used, written = _both(run, backend)
+    assert np.abs(ref - got).max() <= TOL
+    assert used["xlists"] >= 2 and written > 0
+
+
+# ---------------------------------------------------------------- the switch
+
+def _state():
+    return (lib.H5TmpFile, misc.H5TmpFile, lib.call_in_background, misc.call_in_background,
+            lib.map_with_prefetch, misc.map_with_prefetch, linalg_helper._Xlist,
+            lib.param.MAX_MEMORY)
+
+
+def test_enable_disable_restore_exactly_and_nest():
+    before = _state()
+    cpyscf.disable()                                        # nothing enabled: no-op
+    assert _state() == before and not cpyscf.enabled()
+    with cpyscf.patch(backend="shm", max_memory=123):
+        outer = _state()
+        assert outer[0] is not before[0] and outer[0] is outer[1]
+        assert lib.param.MAX_MEMORY == 123 and cpyscf.enabled()
+        with cpyscf.patch(backend="local"):
+            assert _state()[0] is not outer[0]
+            assert lib.param.MAX_MEMORY == 123
+        assert _state() == outer
+        cpyscf.enable(backend="auto", max_memory=7)         # left on by the body ...
+    assert _state() == before and not cpyscf.enabled()      # ... and undone with the patch
+    with pytest.raises(RuntimeError):
+        with cpyscf.patch(backend="shm"):
+            raise RuntimeError("boom")
+    assert _state() == before
+
+
+def test_bad_arguments_change_nothing():
+    before = _state()
+    with pytest.raises(cio.BackendUnavailableError):
+        cpyscf.enable(backend="no-such-backend")
+    with pytest.raises(cio.errors.ArgumentError):
+        cpyscf.enable(max_memory=-1)
+    assert _state() == before and not cpyscf.enabled()
+
+
+def test_files_pyscf_names_stay_h5py_and_groups_count_as_h5py(tmp_path):
+    with cpyscf.patch(backend="shm"):
+        with lib.H5TmpFile() as ftmp:
+            assert isinstance(ftmp, cio.H5TmpFile) and isinstance(ftmp, h5py.Group)
+            assert isinstance(ftmp.create_group("g"), h5py.Group)
+        named = lib.H5TmpFile(str(tmp_path / "named.h5"), "w")
+        assert isinstance(named, h5py.File)
+        named.close()
+        with lib.H5TmpFile(libver="latest", dir=str(tmp_path)) as ftmp:   # h5py keywords
+            ftmp["x"] = np.ones(3)
+
+
+def test_scratch_dir_follows_pyscf(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYSCF_TMPDIR", raising=False)
+    monkeypatch.setattr(lib.param, "TMPDIR", tempfile.gettempdir())
+    assert cpyscf.scratch_dir() is None
+    monkeypatch.setattr(lib.param, "TMPDIR", str(tmp_path))
+    assert cpyscf.scratch_dir() == str(tmp_path)
+    monkeypatch.setenv("PYSCF_TMPDIR", str(tmp_path / "env"))
+    assert cpyscf.scratch_dir() == str(tmp_path / "env")
+    assert cpyscf.scratch_dir(tmp_path / "x") == str(tmp_path / "x")
+    monkeypatch.delenv("PYSCF_TMPDIR")
+    with cpyscf.patch(backend="local"):
+        with lib.H5TmpFile() as ftmp:
+            d = ftmp.create_dataset("x", data=np.arange(4.0))
+            assert d.path.startswith(str(tmp_path)) and os.path.exists(d.path)
+            path = d.path
+    assert not os.path.exists(path)
+
+
+def test_call_in_background_semantics():
+    with cpyscf.patch(backend="shm"):
+        order, threads = [], []
+        lock = threading.Lock()
+
+        def work(i, delay=0.0):
+            import time
+            time.sleep(delay)
+            with lock:
+                order.append(i)
+                threads.append(threading.current_thread().name)
+            return i
+
+        with lib.call_in_background(work) as awork:
+            for i in range(5):
+                awork(i, 0.01)                  # each waits for its previous call
+        assert order == list(range(5))
+        assert all(t.startswith("chemio-io") for t in threads), threads
+        order.clear()
+        with lib.call_in_background(work, work) as (f1, f2):
+            f1(1)
+            f2(2)
+        assert sorted(order) == [1, 2]          # both done at the block's end
+
+        def fail():
+            raise ValueError("inside")
+        with pytest.raises(misc.ThreadRuntimeError, match="inside"):
+            with lib.call_in_background(fail) as afail:
+                afail()
+        with pytest.raises(misc.ThreadRuntimeError, match="inside"):
+            with lib.call_in_background(fail) as afail:
+                afail()
+                afail()                         # the first call's error, here
+        threads.clear()
+        with lib.call_in_background(work, sync=True) as swork:
+            swork(9)
+        assert threads == [threading.current_thread().name]
+        assert list(lib.map_with_prefetch(lambda x: x * x, range(6))) == \
+            [x * x for x in range(6)]
+        it = lib.map_with_prefetch(lambda x: x + 1, range(100))
+        assert next(it) == 1
+        it.close()                              # stops early: the call in flight ends
+
+
+def test_call_in_background_never_takes_the_last_pool_thread():
+    cio.configure(io_threads=2)
+    with cpyscf.patch(backend="shm"):
+        before = cpyscf.usage()["background_inline"]
+        gate = threading.Event()
+        with lib.call_in_background(lambda: gate.wait(5), lambda: None) as (f1, f2):
+            f1()                                # holds one of the two pool threads
+            f2()                                # would leave none for chemio's own I/O
+            gate.set()
+        assert cpyscf.usage()["background_inline"] == before + 1
+
+
+MPI_BODY = """
+import numpy as np
+from pyscf import gto, scf, ao2mo, lib
+import chemio_py as cio, chemio_py.pyscf as cpyscf
+c = cio.comm()
+assert c.size == 2
+# one process per rank, as PySCF runs: each rank its own molecule and its own scratch
+mol = gto.M(atom=f"O 0 0 0; H 0 -0.757 0.587; H 0 0.757 {{0.587 + 0.05 * c.rank}}",
+            basis="sto-3g", verbose=0)
+mo = scf.RHF(mol).run(conv_tol=1e-12).mo_coeff
+def run():
+    with lib.H5TmpFile() as f:
+        ao2mo.outcore.general(mol, (mo, mo, mo, mo), f, "eri_mo", max_memory=1,
+                              ioblk_size=0.01)
+        return np.asarray(f["eri_mo"])
+ref = run()
+with cpyscf.patch(backend="{backend}"):
+    got = run()
+assert np.abs(ref - got).max() <= 1e-10
+assert cpyscf.usage()["h5tmpfiles"] >= 2
+print(f"rank{{c.rank}}:same", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["shm", "mpiio"])
+def test_one_process_per_rank_under_mpiexec(mpirun, backend):
+    p = mpirun(2, MPI_BODY.format(backend=backend))
+    assert p.stdout.count(":same") == 2, p.stdout
