@@ -913,25 +913,37 @@ class DiskArray(StoreHandle):
         if core.size:
             spans = _indexing.plan(axes, self.chunks, self.dtype.itemsize, False,
                                    self._caps.byte_addressable)
+            scratch = np.empty(0, self.dtype)          # the batch's temporaries, reused
             batch: list[tuple] = []
             held = 0
             for box in _indexing.boxes(spans):
                 region = tuple(slice(s.lo, s.hi) for s in box)
-                tmp = np.empty(grid.region_shape(region), self.dtype)
-                batch.append((box, region, tmp))
-                held += tmp.nbytes
-                if held >= _indexing.BOX_BYTES:
+                shape = grid.region_shape(region)
+                dst = core[tuple(slice(s.p0, s.p1) for s in box)]
+                if dst.shape == shape and _direct(dst):    # every element selected: no temp
+                    batch.append((None, region, dst))
+                    continue
+                n = math.prod(shape)
+                if held + n > scratch.size:
                     self._scatter(batch, axes, core)
                     batch, held = [], 0
+                    if n > scratch.size:
+                        scratch = np.empty(max(n, _indexing.BOX_BYTES // self.dtype.itemsize),
+                                           self.dtype)
+                batch.append((box, region, scratch[held:held + n].reshape(shape)))
+                held += n
             self._scatter(batch, axes, core)
         return sel.shape_result(_indexing.order_core(core, axes))
 
     def _scatter(self, batch: list[tuple], axes: list, core: np.ndarray) -> None:
-        """Read a batch of boxes and put their selected elements into ``core``."""
+        """Read a batch of boxes (into ``core`` itself, or temporaries whose selected
+        elements are then put into ``core``)."""
         if not batch:
             return
         self._read_pieces([(region, tmp) for _, region, tmp in batch])
         for box, _, tmp in batch:
+            if box is None:
+                continue
             part = tmp
             fancy = []
             src = []

@@ -33,8 +33,9 @@ from chemio_py.errors import SectionError
 
 Pick = Union[int, range, np.ndarray]
 
-GAP_BYTES = 256 << 10     # a byte-addressable read reads through gaps up to this size
-BOX_BYTES = 64 << 20      # temporary memory of one batch of boxes of a read
+GAP_BYTES = 256 << 10     # a byte-addressable read reads through gaps up to this size (about
+#                           what copying costs against moving one more box)
+BOX_BYTES = 16 << 20      # temporary memory of one batch of boxes of a read
 
 
 class IndexOutOfBounds(SectionError, IndexError):
