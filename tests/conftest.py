@@ -7,6 +7,12 @@
   ``python -m mpi4py`` (an exception on one rank aborts the job instead of hanging it).
 * After every test the process's scratch is cleaned as at exit and the scratch root must be
   empty; at the end no new chemio segment may remain in the shm directory.
+* Under pytest-xdist (``-n N``) each worker has its own scratch root and its own shm
+  directory (a fresh directory inside ``CHEMIO_SHM_DIR``, default /dev/shm); a worker checks
+  those for leftovers at its end and the controller, once every worker has ended, reports them
+  with its own check of /dev/shm (MPICH segments). Tests marked ``alone`` (listed in
+  ``ALONE`` below: they look at machine-wide state) run while no other worker runs a test.
+  A plain serial run behaves as without xdist.
 """
 from __future__ import annotations
 
@@ -24,8 +30,18 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))    # tests/: shared helpers live here
 REPO = os.path.dirname(TESTS)                        # the checkout: tests are grouped below
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")       # "gw0", ... in an xdist worker, else None
 SCRATCH_ROOT = tempfile.mkdtemp(prefix="cio-tests-")
 os.environ["CHEMIO_SCRATCH"] = SCRATCH_ROOT
+# A worker's own shm directory: its segments, budget and leak check are not the other workers'.
+_WORKER_SHM = None
+if WORKER:
+    try:
+        _WORKER_SHM = tempfile.mkdtemp(prefix=f"cio-tests-{WORKER}-",
+                                       dir=os.environ.get("CHEMIO_SHM_DIR") or "/dev/shm")
+        os.environ["CHEMIO_SHM_DIR"] = _WORKER_SHM
+    except OSError:                                 # no writable shm dir: tests will say so
+        pass
 for var in ("CHEMIO_SHARED_SCRATCH", "CHEMIO_BACKEND", "CHEMIO_CONFIG", "CHEMIO_SYNC",
             "CHEMIO_KEEP", "CHEMIO_TRACE", "CHEMIO_IO_THREADS", "CHEMIO_DIRECT"):
     os.environ.pop(var, None)
@@ -140,13 +156,93 @@ def small_fs(make_tmpfs):
     return make_tmpfs("1m")
 
 
+# Tests that look at machine-wide state (every MPICH segment in /dev/shm, RAM) and so must
+# not overlap another xdist worker's test; node id prefixes. A serial run ignores this.
+ALONE = (
+    "tests/adversarial/test_adv_stress_smoke.py::",     # no new MPICH segment in /dev/shm
+    "tests/project/test_examples.py::test_checkpoint_sigkill_mpi_then_resume_serial",  # unlinks
+    "tests/backends/test_mpiio.py::test_iwrite_iread_past_2gib",        # > 2 GiB of RAM each
+    "tests/backends/test_mpiio.py::test_collective_write_past_2gib",
+)
+_WORKER_LEAKS: list[str] = []           # the controller: what the workers reported
+_WORKER_PIDS: set[int] = set()
+
+
+def pytest_configure(config):
+    if not WORKER and getattr(config.option, "dist", "no") != "no" \
+            and getattr(config.option, "numprocesses", None):
+        # the controller of an xdist run: the lock files its workers share (see below)
+        os.environ["CIO_TESTS_LOCKS"] = tempfile.mkdtemp(prefix="cio-tests-locks-")
+
+
+def pytest_itemcollected(item):
+    """Mark the ``ALONE`` tests (the lock in pytest_runtest_protocol keeps them alone; an
+    ``xdist_group`` would not: pytest-xdist 3.8's loadgroup spread one group over workers)."""
+    if item.nodeid.startswith(ALONE):
+        item.add_marker(pytest.mark.alone)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, hold the workers' shared lock around a test (setup to teardown): shared
+    for most, exclusive for ``alone`` tests."""
+    locks = os.environ.get("CIO_TESTS_LOCKS") if WORKER else None
+    if not locks:
+        yield
+        return
+    import fcntl
+    alone = item.get_closest_marker("alone") is not None
+    # A turnstile before the readers' lock: a waiting exclusive test lets no new test start.
+    turn = os.open(os.path.join(locks, "turnstile"), os.O_RDWR | os.O_CREAT, 0o600)
+    main = os.open(os.path.join(locks, "tests"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(main)
+        os.close(turn)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller collects what each xdist worker found left behind."""
+    out = getattr(node, "workeroutput", {}) or {}
+    _WORKER_LEAKS.extend(out.get("cio_leaks", []))
+    if out.get("cio_pid"):
+        _WORKER_PIDS.add(out["cio_pid"])
+
+
 def pytest_sessionfinish(session, exitstatus):
     jobs.cleanup()
     left = _leftovers(SCRATCH_ROOT)
-    shm_left = sorted(_shm_entries() - _SHM_BEFORE)
     shutil.rmtree(SCRATCH_ROOT, ignore_errors=True)
-    if left or shm_left:
-        print(f"\nLEAK: scratch root {left[:10]}, shm {shm_left[:10]}", file=sys.stderr)
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is not None:
+        # An xdist worker: its own scratch root and shm dir; /dev/shm is the controller's.
+        shm_left = []
+        if _WORKER_SHM:
+            shm_left = sorted(os.path.join(_WORKER_SHM, n) for n in os.listdir(_WORKER_SHM)
+                              if "chemio" in n)
+            shutil.rmtree(_WORKER_SHM, ignore_errors=True)
+        session.config.workeroutput["cio_pid"] = os.getpid()
+        session.config.workeroutput["cio_leaks"] = (
+            [f"{WORKER}: scratch root {left[:10]}"] if left else []) + (
+            [f"{WORKER}: shm {shm_left[:10]}"] if shm_left else [])
+        return
+    # The serial run, or the controller after every worker ended: their in-process MPI
+    # segments go at their MPI_Finalize, as this process's does.
+    shm_left = sorted(p for p in _shm_entries() - _SHM_BEFORE
+                      if not any(os.path.basename(p).startswith(f"mpich_shm_{pid:x}_")
+                                 for pid in _WORKER_PIDS))
+    locks = os.environ.pop("CIO_TESTS_LOCKS", None)
+    if locks:
+        shutil.rmtree(locks, ignore_errors=True)
+    if left or shm_left or _WORKER_LEAKS:
+        print(f"\nLEAK: scratch root {left[:10]}, shm {shm_left[:10]}"
+              + "".join(f"\nLEAK: {w}" for w in _WORKER_LEAKS), file=sys.stderr)
         session.exitstatus = 1
 
 
