@@ -48,6 +48,8 @@ MAX_INNER = 1 << 20                 # inner chunks per shard
 EMPTY = (1 << 64) - 1               # a shard index entry of an absent inner chunk
 
 MAX_ITEMSIZE = 1 << 20             # one element (as chemio_py.arrays.meta)
+_NUMBERS = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                      "uint64", "float16", "float32", "float64", "complex64", "complex128"))
 DTYPES = ("bool", "(u)int8-64", "float16/32/64", "complex64/128", "null_terminated_bytes (S<n>)",
           "fixed_length_utf32 (U<n>)", "raw_bytes (V<n>)", "numpy.datetime64",
           "numpy.timedelta64", "structured")
@@ -619,8 +621,17 @@ def parse(doc: Any, where: str) -> ZarrMeta:
     chunks = _shape(grid["configuration"].get("chunk_shape"), 1, f"{where}: chunk_shape")
     if len(chunks) != len(shape):
         raise MetadataError(f"{where}: chunk_shape {chunks} does not match shape {shape}")
-    zmeta = _zarr_python_meta(doc, where)       # the spec's checks, by zarr-python
-    dt = _dtype_of(zmeta, doc.get("codecs"), where)
+    name = doc.get("data_type")
+    zmeta: Any = None
+    if isinstance(name, str) and name in _NUMBERS:
+        # numbers, chemio's common case: checked by chemio alone (strict fill values,
+        # bounded codecs below), without importing zarr-python
+        dt = np.dtype(name)
+        if dt.byteorder != "|":
+            dt = dt.newbyteorder(">" if _array_endian(doc.get("codecs")) == "big" else "<")
+    else:
+        zmeta = _zarr_python_meta(doc, where)   # the spec's checks, by zarr-python
+        dt = _dtype_of(zmeta, doc.get("codecs"), where)
     nbytes = math.prod(shape) * dt.itemsize
     if nbytes > MAX_NBYTES:
         raise MetadataError(f"{where}: shape {shape} of {dt} makes {nbytes} bytes, more than "
@@ -637,12 +648,15 @@ def parse(doc: Any, where: str) -> ZarrMeta:
         if isinstance(econf, dict) else None
     if sep not in ("/", "."):
         raise MetadataError(f"{where}: chunk key separator {sep!r:.80} is not '/' or '.'")
-    fill = _fill_of(doc.get("fill_value"), zmeta.fill_value, dt, where)
+    fill = _fill_of(doc.get("fill_value"), None if zmeta is None else zmeta.fill_value, dt,
+                    where)
     foreign = None
     try:
         pipeline, sconf = _parse_pipeline(doc.get("codecs"), dt.itemsize, f"{where}: codecs")
         shard = None if sconf is None else _parse_shard(sconf, chunks, dt.itemsize, where)
     except Unsupported as e:                    # zarr-python's codec pipeline reads it
+        if zmeta is None:
+            zmeta = _zarr_python_meta(doc, where)
         _foreign_limits(zmeta.codecs, chunks, where)
         foreign, pipeline, shard = str(e), Pipeline(), None
         codecs = json.dumps(_codec_names(doc.get("codecs")))[:200]
@@ -844,6 +858,12 @@ def data_type_doc(dt: np.dtype) -> tuple[Any, str | None, Any]:
     dtype zarr-python's ``structured`` type cannot hold exactly (padding, subarray or
     big-endian fields) is stored as ``raw_bytes`` of its itemsize, its exact dtype kept in
     the chemio attributes (chemio reads it back; zarr-python reads raw records)."""
+    if dt.names is None and dt.kind in "biufc":         # numbers: no zarr-python import
+        endian = None if dt.byteorder == "|" else \
+            {"<": "little", ">": "big", "=": sys.byteorder}[dt.byteorder]
+        fill: Any = False if dt.kind == "b" else 0 if dt.kind in "iu" else \
+            [0.0, 0.0] if dt.kind == "c" else 0.0
+        return dt.newbyteorder("=").name, endian, fill
     import warnings
     from zarr.core.dtype import get_data_type_from_native_dtype
     if dt.hasobject or dt.itemsize == 0 or dt.itemsize > MAX_ITEMSIZE:
