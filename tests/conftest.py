@@ -31,11 +31,22 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))    # tests/: shared helpers live here
 REPO = os.path.dirname(TESTS)                        # the checkout: tests are grouped below
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")       # "gw0", ... in an xdist worker, else None
-SCRATCH_ROOT = tempfile.mkdtemp(prefix="cio-tests-")
+# A process a test starts may import this module without pytest (a spawned worker
+# unpickling a function of a test module): it keeps the test's scratch root and shm
+# directory instead of making new ones that nobody would remove.
+# CIO_TESTS_OWNER ("<pid> <xdist worker or ->") names the pytest process that made the
+# root; an xdist worker is a child of the controller but has its own worker name.
+_INHERITED = os.environ.get("CHEMIO_SCRATCH", "")
+_owner_pid, _, _owner_worker = os.environ.get("CIO_TESTS_OWNER", "").partition(" ")
+_HELPER_PROCESS = (_owner_pid not in ("", str(os.getpid())) and _owner_worker == (WORKER or "-")
+                   and os.path.isdir(_INHERITED))
+SCRATCH_ROOT = _INHERITED if _HELPER_PROCESS else tempfile.mkdtemp(prefix="cio-tests-")
 os.environ["CHEMIO_SCRATCH"] = SCRATCH_ROOT
+if not _HELPER_PROCESS:
+    os.environ["CIO_TESTS_OWNER"] = f"{os.getpid()} {WORKER or '-'}"
 # A worker's own shm directory: its segments, budget and leak check are not the other workers'.
 _WORKER_SHM = None
-if WORKER:
+if WORKER and not _HELPER_PROCESS:
     try:
         _WORKER_SHM = tempfile.mkdtemp(prefix=f"cio-tests-{WORKER}-",
                                        dir=os.environ.get("CHEMIO_SHM_DIR") or "/dev/shm")
