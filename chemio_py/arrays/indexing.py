@@ -22,6 +22,7 @@ chunked store) and the selected elements are picked from it in memory.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -319,9 +320,7 @@ def order_core(core: np.ndarray, axes: list[Axis]) -> np.ndarray:
         if ax.order is None:
             continue
         if isinstance(ax.order, str):
-            idx = [slice(None)] * core.ndim
-            idx[a] = slice(None, None, -1)
-            core = core[tuple(idx)]
+            core = np.flip(core, a)
         else:
             core = np.take(core, ax.order, axis=a)
     return core
@@ -333,9 +332,7 @@ def sort_value(value: np.ndarray, picks: tuple[Pick, ...], axes: list[Axis]) -> 
         if ax.order is None:
             continue
         if isinstance(ax.order, str):
-            idx = [slice(None)] * value.ndim
-            idx[a] = slice(None, None, -1)
-            value = value[tuple(idx)]
+            value = np.flip(value, a)
         else:
             value = np.take(value, np.argsort(p, kind="stable"), axis=a)
     return value
@@ -430,7 +427,6 @@ def boxes(spans: list[list[Span]]) -> Iterator[tuple[Span, ...]]:
     """Every box of a plan, the last axis fastest."""
     if any(not s for s in spans):
         return iter(())
-    import itertools
     return itertools.product(*spans)
 
 

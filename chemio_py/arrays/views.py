@@ -30,25 +30,26 @@ if TYPE_CHECKING:
 ITER_BYTES = 8 << 20          # iteration and ``in`` read blocks of about this size
 
 
-def iterate(a: Any) -> Iterator[Any]:
-    """The sub-arrays of ``a`` along its first axis, read in blocks of ~``ITER_BYTES``."""
+def _blocks(a: Any) -> Iterator[Any]:
+    """``a`` read in blocks of ~``ITER_BYTES`` along its first axis."""
     n = a.shape[0]
     row = a.dtype.itemsize * math.prod(a.shape[1:])
     step = max(1, ITER_BYTES // max(1, row))
     for lo in range(0, n, step):
-        yield from a[lo:min(n, lo + step)]
+        yield a[lo:min(n, lo + step)]
+
+
+def iterate(a: Any) -> Iterator[Any]:
+    """The sub-arrays of ``a`` along its first axis, read in blocks of ~``ITER_BYTES``."""
+    for block in _blocks(a):
+        yield from block
 
 
 def contains(a: Any, value: Any) -> bool:
     """NumPy's ``value in a``: any element equals ``value``, read in blocks."""
-    if a.ndim == 0 or a.shape[0] == 0:
+    if a.ndim == 0:
         return False
-    row = a.dtype.itemsize * math.prod(a.shape[1:])
-    step = max(1, ITER_BYTES // max(1, row))
-    for lo in range(0, a.shape[0], step):
-        if np.any(a[lo:lo + step] == value):
-            return True
-    return False
+    return any(np.any(block == value) for block in _blocks(a))
 
 
 class OIndex:
