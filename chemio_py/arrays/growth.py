@@ -167,13 +167,37 @@ def resize(d: "DiskArray", size: Any, axis: Any = None) -> tuple:
     resize_store = d.capabilities.resize
     if resize_store is None:                # a store opened without growth: cannot happen
         raise ArgumentError(f"the store of DiskArray {d.name!r} cannot change its shape")
-    m = dataclasses.replace(d._meta, shape=new)
-    resize_store(new, c)                    # collective: returns or raises on every rank
-    with c.agree(what + " metadata"):
-        if c.rank == 0 and d.meta_path != d.path:
-            _meta.write_atomic(d.meta_path, _meta.dumps(m), _mode_of(d.meta_path))
+    old, m = d._meta, dataclasses.replace(d._meta, shape=new)
+    if d.meta_path == d.path:               # the store keeps its own metadata (zarr)
+        resize_store(new, c)
+    elif any(n < o for n, o in zip(new, d.shape)):
+        # A shrink drops data: the metadata goes first, so a failed write changes nothing,
+        # and a store that refuses puts the old metadata back.
+        _write_meta(d, m, what)
+        try:
+            resize_store(new, c)
+        except BaseException:
+            _write_meta(d, old, what + " (putting the old shape back)")
+            raise
+    else:
+        # A growth adds only zeros: the store goes first (it may be out of space), and a
+        # failed metadata write shrinks it back, which loses nothing.
+        resize_store(new, c)
+        try:
+            _write_meta(d, m, what)
+        except BaseException:
+            resize_store(d.shape, c)
+            raise
     d._reshaped(m)
     return new
+
+
+def _write_meta(d: "DiskArray", m: _meta.Meta, what: str) -> None:
+    """Rank 0 writes ``m`` as ``d``'s metadata, atomically; collective: all return or raise."""
+    c = d.comm
+    with c.agree(what + " metadata"):
+        if c.rank == 0:
+            _meta.write_atomic(d.meta_path, _meta.dumps(m), _mode_of(d.meta_path))
 
 
 def _mode_of(path: str) -> int:
