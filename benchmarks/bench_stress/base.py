@@ -130,6 +130,19 @@ class Broken(Exception):
     """A check failed in a way that makes the object's model unreliable (already reported)."""
 
 
+def failed(t: Any, what: str, obj: Any, step: Any) -> bool:
+    """Run ``step()``; True when it broke the object's model: a ``Broken`` check (already
+    reported) or any other exception, recorded in the tally ``t`` as ``what``."""
+    try:
+        step()
+    except Broken:
+        return True
+    except Exception as e:
+        t.exception(what, obj, e)
+        return True
+    return False
+
+
 class Ctx:
     """One process's worker state: communicator, RNGs, data pools, tally, watchdog."""
 

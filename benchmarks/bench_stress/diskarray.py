@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .base import DRA_DTYPES, DRA_MAX, Broken, Ctx, Flight, Model, pick
+from .base import DRA_DTYPES, DRA_MAX, Broken, Ctx, Flight, Model, failed, pick
 
 
 class Dra(Model):
@@ -294,27 +294,15 @@ def dra_round(ctx: Ctx, dras: dict, backend: str) -> None:
             return
     elif obj.d is not None and obj.persistent and (action < 0.35 or ctx.plan["dra.reopen"] == 0):
         ctx.plan["dra.reopen"] += 1
-        try:
-            obj.reopen()
-        except Broken:
-            fail = True
-        except Exception as e:
-            t.exception("dra.reopen", obj, e)
-            fail = True
-        if ctx.any_rank(fail):
+        if ctx.any_rank(failed(t, "dra.reopen", obj, obj.reopen)):
             _drop_dra(ctx, obj)
             return
     if obj.d is None:
-        try:
+        def create() -> None:
             obj.create()
             if rng.random() < 0.3:
                 obj.verify("dra.create")     # never-written elements read as zero
-        except Broken:
-            fail = True
-        except Exception as e:
-            t.exception("dra.create", obj, e)
-            fail = True
-        if ctx.any_rank(fail):
+        if ctx.any_rank(failed(t, "dra.create", obj, create)):
             _drop_dra(ctx, obj)
             return
     shape = obj.model.shape
@@ -330,17 +318,13 @@ def dra_round(ctx: Ctx, dras: dict, backend: str) -> None:
     rows = (int(cuts[ctx.rank]), int(cuts[ctx.rank + 1]))
     do_all = rng.random() < 0.6 or ctx.plan["dra.write_all"] == 0
     ctx.plan["dra.write_all"] += do_all
-    broken = False
     descs: list = []
-    try:
-        descs = obj.local_phase(rows)
+
+    def write_mine() -> None:
+        descs.extend(obj.local_phase(rows))
         ctx.step(f"{obj.desc}.flush()")
         obj.d.flush()
-    except Broken:
-        broken = True
-    except Exception as e:
-        t.exception("dra.write", obj, e)
-        broken = True
+    broken = failed(t, "dra.write", obj, write_mine)
     obj.flight.items = [] if broken else obj.flight.items
     ctx.barrier()
     everyone = ctx.allgather(None if broken else descs)
@@ -354,13 +338,7 @@ def dra_round(ctx: Ctx, dras: dict, backend: str) -> None:
     if ctx.any_rank(broken):
         _drop_dra(ctx, obj)
         return
-    try:
-        obj.read_phase()
-    except Broken:
-        broken = True
-    except Exception as e:
-        t.exception("dra.read_other", obj, e)
-        broken = True
+    broken = failed(t, "dra.read_other", obj, obj.read_phase)
     ctx.barrier()
     if do_all and not ctx.any_rank(broken):
         wkey, _ = obj.section(ctx.mine, rows, ints=False)
@@ -385,15 +363,12 @@ def dra_round(ctx: Ctx, dras: dict, backend: str) -> None:
             rshape = obj.model[rkey].shape
             out = np.empty(rshape[::-1] if rtr else rshape, obj.model.dtype)
             ctx.step(f"{obj.desc}.read_all({rkey!r}, transpose={rtr})")
-            try:
+
+            def read_all() -> None:
                 got = obj.d.read_all(rkey, out, transpose=rtr)
                 t.op("dra.read_all", obj.backend)
                 obj.check("dra.read_all", rkey, got, rtr)
-            except Broken:
-                broken = True
-            except Exception as e:
-                t.exception("dra.read_all", obj, e)
-                broken = True
+            broken = failed(t, "dra.read_all", obj, read_all)
     if ctx.any_rank(broken):
         _drop_dra(ctx, obj)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .base import (OP_MAX, SF_CAP, SF_SPAN_MAX, Broken, ByteModel, Ctx, KiB, MiB,
-                   boxes_overlap, nbytes_draw, pick)
+                   boxes_overlap, failed, nbytes_draw, pick)
 
 
 class Sf(ByteModel):
@@ -281,16 +281,12 @@ def sf_round(ctx: Ctx, sfs: dict, backend: str) -> None:
                 for off, n, s in ds:
                     obj.mwrite(off, ctx.pool[s:s + n])
     if not broken:
-        try:
+        def read_other() -> None:
             obj.check_size("sf.read_other")
             obj.read_phase()
             if rng.random() < 0.2:
                 obj.verify()
-        except Broken:
-            broken = True
-        except Exception as e:
-            t.exception("sf.read_other", obj, e)
-            broken = True
+        broken = failed(t, "sf.read_other", obj, read_other)
     ctx.barrier()
     if trunc and not ctx.any_rank(broken):
         ok = True
