@@ -335,6 +335,7 @@ class _Creating(Creation):
         self.be_name = be_name = config.backend_for(self.name, a.backend).value
         self.be = be = _backends.require(_backends.resolve(be_name), be_name,
                                          _backends.ArrayBackend)
+        self.vet = _backends.backend_capabilities(be).check_collective  # e.g. shm: one node
         self.opts = _check_options(be, be_name, a.options)
         _log.debug("DiskArray %r: backend %s, chunks %s (%s)", self.name, be_name, self.ch,
                    "given" if a.chunks is not None else
@@ -374,10 +375,6 @@ class _Creating(Creation):
         return (f"rank {self.comm.rank} asked for DiskArray.create{mine[:4]} on backend "
                 f"{mine[4]!r} but rank 0 for {first[:4]} on {first[4]!r}; every rank must pass "
                 f"the same name, shape, dtype, layout, backend and options")
-
-    def vet(self) -> Any:
-        be = self.be                                    # e.g. shm: one node
-        return be.check_collective if isinstance(be, _backends.CollectiveCheck) else None
 
     def make(self) -> tuple[str, str, _meta.Meta]:
         be, keep, inside = self.be, self.keep, self.inside

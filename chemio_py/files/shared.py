@@ -85,6 +85,7 @@ class _Making(Creation):
         self.be_name = config.backend_for(self.name, backend).value
         self.be = _backends.require(_backends.resolve(self.be_name), self.be_name,
                                     _backends.ByteBackend)
+        self.vet = _backends.backend_capabilities(self.be).check_collective  # shm: one node
         self.together = _backends.is_collective(self.be)
         reserve = 0 if soft is None else _round_up(soft, req or 1)
         self.reserve = reserve if hard is None else min(reserve, hard)
@@ -94,10 +95,6 @@ class _Making(Creation):
         return (f"rank {self.comm.rank} asked for SharedFile{_fmt_spec(mine)} but rank 0 for "
                 f"SharedFile{_fmt_spec(first)}; every rank must pass the same name, limits, "
                 f"request_size and backend")
-
-    def vet(self) -> Any:
-        be = self.be                                    # e.g. shm: one node
-        return be.check_collective if isinstance(be, _backends.CollectiveCheck) else None
 
     def make(self) -> tuple[str, bytes]:
         be, name = self.be, self.name

@@ -8,7 +8,7 @@ raises on every rank: the failed rank its own error, the others ``CollectiveErro
     comm.begin(call)                    one chemio collective call (the rank guard's count)
     check()         every rank, agreed  checks the arguments; returns their spec
     same_everywhere(spec)               ArgumentError(explain(mine, rank 0's)) where they differ
-    vet()           every rank, agreed  only with more than one rank, when vet() names one
+    vet(comm)       every rank, agreed  only with more than one rank, when check() set vet
                                         (a backend's CollectiveCheck: shm needs one node)
     make()          rank 0, agreed      names the object, supersedes this process's old
                                         creator of it, makes it (unless ``together``), writes
@@ -89,6 +89,8 @@ class Creation(Collective):
 
     together = False        # a collective backend: make and open on every rank at once
     host0 = ""              # rank 0's host name, for the peers' error messages
+    vet: Callable[[Comm, str], None] | None = None
+    """The backend's check of the communicator (its CollectiveCheck), set by ``check``."""
 
     def check(self) -> Any:
         """Every rank: check the arguments; return what must equal rank 0's."""
@@ -97,10 +99,6 @@ class Creation(Collective):
     def explain(self, mine: Any, first: Any) -> str:
         """The error of a rank whose spec ``mine`` differs from rank 0's ``first``."""
         raise NotImplementedError
-
-    def vet(self) -> Callable[[Comm, str], None] | None:
-        """The backend's check of the communicator, if it has one."""
-        return None
 
     def make(self) -> Any:
         """Rank 0: make the object; return what the other ranks need to open it."""
@@ -130,7 +128,7 @@ class Creation(Collective):
         with self:
             spec = self.agreed(self.check)
             c.same_everywhere(spec, self.what, self.explain)
-            vet = self.vet() if c.size > 1 else None
+            vet = self.vet if c.size > 1 else None
             if vet is not None:
                 self.agreed(lambda: vet(c, self.what))
             made = self.agreed(self.make, on="root")
