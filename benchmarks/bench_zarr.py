@@ -56,7 +56,24 @@ barrier). Time = barrier to barrier; afterwards zarr-python reads the array and 
 that differ from the expected array (the blocks, zeros around) are counted as lost.
 Target: chemio loses nothing (a ``lost elements`` row and a PASS/FAIL ``no loss`` row).
 
-Run alone: ``python benchmarks/bench_zarr.py [--full]``.
+Size (issue 28 item 6): an array of 64 MiB storage objects (1024 x 8192 float64 row
+blocks; ``SIZE_GIB`` in all, quick: ``SIZE_GIB_QUICK``; ``--size-gib N`` or
+``CHEMIO_BENCH_ZARR_GIB`` sets it: the issue's case is 32 GiB, larger than RAM), written block
+by block and made durable, then read back cold block by block into one reused buffer. Methods,
+interleaved in rotating order in every round, each round into fresh files (the previous
+round's removed untimed): ``raw`` — one file, ``os.pwritev`` of each block at its offset
+then ``fsync``; reads ``os.preadv`` into the buffer (the baseline); chemio persistent
+``DiskArray`` on ``zarr`` ``write`` of each block then ``flush()`` / ``read(block, out=)``,
+uncompressed unsharded (``inner_chunks=False``), uncompressed sharded (default inner chunks)
+and zstd level 3 sharded (default inner chunks); ``ceiling`` — numcodecs zstd of the same
+inner chunks over a pool of 2 x CPUs plus ``os.pwritev`` of the encoded chunks (one file per
+block) and ``fsync``, reads ``os.preadv`` of each file and decoding over the pool. Cold: every
+write and read starts after the method's files were evicted (fsync + ``POSIX_FADV_DONTNEED``).
+The data are standard normals rounded to float32 (one block, with the block number in its
+first element). Targets: uncompressed chemio >= 0.9x raw on write and read; zstd >= 0.9x the
+ceiling. Ranges over ``SIZE_ROUNDS`` rounds; the note says ``uptime``'s load.
+
+Run alone: ``python benchmarks/bench_zarr.py [--full] [--size-only] [--size-gib N] [--notes]``.
 """
 from __future__ import annotations
 
@@ -660,6 +677,255 @@ def _run_mpi(lib: str, cfg: dict, workdir: str) -> list[dict]:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+# ---------------------------------------------------------------- size: 64 MiB objects
+
+SIZE_GIB, SIZE_GIB_QUICK, SIZE_ROUNDS = 4.0, 0.5, 3
+SIZE_BLOCK = (1024, 8192)                         # one 64 MiB float64 object
+
+
+def _size_gib(quick: bool) -> float:
+    env = os.environ.get("CHEMIO_BENCH_ZARR_GIB")
+    return float(env) if env else (SIZE_GIB_QUICK if quick else SIZE_GIB)
+
+
+class _SizeRaw:
+    """One file, ``pwritev`` of each block at its offset, ``fsync``; ``preadv`` back."""
+
+    name = "raw"
+
+    def __init__(self, root: str, nblocks: int, inner: Any = None, codec: str = "none",
+                 pool: Any = None):
+        self.path = os.path.join(root, "raw.bin")
+        self.nblocks = nblocks
+
+    def files(self) -> list[str]:
+        return [self.path]
+
+    def fresh(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def write_all(self, block_of: Any) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for i in range(self.nblocks):
+                mv = memoryview(block_of(i)).cast("B")
+                off, done = i * len(mv), 0
+                while done < len(mv):
+                    done += os.pwritev(fd, [mv[done:]], off + done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_all(self, out: np.ndarray, check: Any) -> None:
+        mv = memoryview(out).cast("B")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i in range(self.nblocks):
+                off, done = i * len(mv), 0
+                while done < len(mv):
+                    k = os.preadv(fd, [mv[done:]], off + done)
+                    if k == 0:
+                        raise EOFError(self.path)
+                    done += k
+                check(i, out)
+        finally:
+            os.close(fd)
+
+
+class _SizeChemio(_SizeRaw):
+    """A persistent DiskArray on ``zarr``: ``write`` per block then ``flush``; ``read``."""
+
+    def __init__(self, root: str, nblocks: int, inner: Any, codec: str, pool: Any = None):
+        import chemio_py as cio
+        self.cio = cio
+        self.name = f"chemio {'sharded' if inner is None else 'unsharded'} {codec}"
+        self.path = os.path.join(root, self.name.replace(" ", "-") + ".zarr")
+        self.nblocks, self.inner, self.codec = nblocks, inner, codec
+
+    def files(self) -> list[str]:
+        return _files_under(self.path)
+
+    def fresh(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        shape = (self.nblocks * SIZE_BLOCK[0], SIZE_BLOCK[1])
+        opts = _chemio_options(self.codec, None)
+        if self.inner is not None:
+            opts["inner_chunks"] = self.inner
+        else:
+            opts.pop("inner_chunks")
+        d = self.cio.DiskArray.create("size", shape, "f8", chunks=SIZE_BLOCK, backend="zarr",
+                                      path=self.path, persistent=True, **opts)
+        d.close()
+
+    def write_all(self, block_of: Any) -> None:
+        d = self.cio.DiskArray.open(self.path, "r+", backend="zarr")
+        try:
+            r = SIZE_BLOCK[0]
+            for i in range(self.nblocks):
+                d.write(np.s_[i * r:(i + 1) * r, :], block_of(i))
+            d.flush()
+        finally:
+            d.close()
+
+    def read_all(self, out: np.ndarray, check: Any) -> None:
+        d = self.cio.DiskArray.open(self.path, "r", backend="zarr")
+        try:
+            r = SIZE_BLOCK[0]
+            for i in range(self.nblocks):
+                d.read(np.s_[i * r:(i + 1) * r, :], out=out)
+                check(i, out)
+        finally:
+            d.close()
+
+
+class _SizeCeiling(_SizeRaw):
+    """numcodecs zstd of the same inner chunks over a pool, ``pwritev`` of the encoded
+    chunks (one file per block, offsets kept in memory), ``fsync``; read and decode."""
+
+    name = "ceiling zstd"
+
+    def __init__(self, root: str, nblocks: int, inner: tuple, codec: str, pool: Any):
+        import numcodecs
+        self.dir = os.path.join(root, "ceiling")
+        self.nblocks, self.inner, self.pool = nblocks, inner, pool
+        self.codec = numcodecs.Zstd(level=ZSTD_LEVEL)
+        self.index: dict = {}
+        self.cols = [slice(c, c + inner[1]) for c in range(0, SIZE_BLOCK[1], inner[1])]
+        self.rows = [slice(r, r + inner[0]) for r in range(0, SIZE_BLOCK[0], inner[0])]
+
+    def files(self) -> list[str]:
+        return _files_under(self.dir)
+
+    def fresh(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+
+    def _tiles(self) -> list[tuple]:
+        return [(r, c) for r in self.rows for c in self.cols]
+
+    def write_all(self, block_of: Any) -> None:
+        fds = []
+        try:
+            for i in range(self.nblocks):
+                x = block_of(i)
+                parts = list(self.pool.map(
+                    lambda t, x=x: self.codec.encode(np.ascontiguousarray(x[t])), self._tiles()))
+                fd = os.open(os.path.join(self.dir, str(i)), os.O_WRONLY | os.O_CREAT, 0o600)
+                fds.append(fd)
+                views = [memoryview(p).cast("B") for p in parts]
+                lens = [len(v) for v in views]
+                offs = list(np.cumsum([0] + lens[:-1]))
+                self.index[i] = list(zip(offs, lens))
+                pos, k = 0, 0
+                while k < len(views):
+                    n = os.pwritev(fd, views[k:k + 1024], pos)
+                    pos += n
+                    while k < len(views) and n >= len(views[k]):
+                        n -= len(views[k])
+                        k += 1
+                    if n:
+                        views[k] = views[k][n:]
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def read_all(self, out: np.ndarray, check: Any) -> None:
+        buf = bytearray(SIZE_BLOCK[0] * SIZE_BLOCK[1] * 8 + (1 << 20))
+        for i in range(self.nblocks):
+            fd = os.open(os.path.join(self.dir, str(i)), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                mv = memoryview(buf)[:size]
+                done = 0
+                while done < size:
+                    done += os.preadv(fd, [mv[done:]], done)
+            finally:
+                os.close(fd)
+
+            def dec(a: tuple, mv: memoryview = mv) -> None:
+                (off, ln), (r, c) = a
+                tile = self.codec.decode(mv[off:off + ln])
+                out[r, c] = np.frombuffer(tile, "f8").reshape(self.inner)
+            list(self.pool.map(dec, zip(self.index[i], self._tiles())))
+            check(i, out)
+
+
+def _uptime() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def size_case(quick: bool, workdir: str, gib: float | None = None,
+              rounds: int = SIZE_ROUNDS) -> list[dict]:
+    """The size rows (see the module docstring)."""
+    from chemio_py.backends.zarr.backend import default_inner
+    gib = _size_gib(quick) if gib is None else gib
+    block_bytes = SIZE_BLOCK[0] * SIZE_BLOCK[1] * 8
+    nblocks = max(2, int(gib * (1 << 30)) // block_bytes)
+    total = nblocks * block_bytes
+    inner = default_inner(SIZE_BLOCK, 8)
+    root = os.path.join(workdir, "size")
+    os.makedirs(root, exist_ok=True)
+    x = (np.random.default_rng(0).standard_normal(SIZE_BLOCK).astype(np.float32)
+         .astype(np.float64))
+
+    def block_of(i: int) -> np.ndarray:
+        x[0, 0] = i
+        return x
+
+    def check(i: int, got: np.ndarray) -> None:
+        if got[0, 0] != i or not np.array_equal(got[1:], x[1:]) or \
+                not np.array_equal(got[0, 1:], x[0, 1:]):
+            raise AssertionError(f"block {i} read back other data than was written")
+    out = np.empty(SIZE_BLOCK)
+    pool = cf.ThreadPoolExecutor(CEILING_THREADS, thread_name_prefix="ceiling")
+    ms: list = [_SizeRaw(root, nblocks), _SizeChemio(root, nblocks, False, "none"),
+                _SizeChemio(root, nblocks, None, "none"), _SizeChemio(root, nblocks, None, "zstd"),
+                _SizeCeiling(root, nblocks, inner, "zstd", pool)]
+    times: dict = {}
+    loads = [_uptime()]
+    try:
+        for rnd in range(rounds):
+            order = ms[rnd % len(ms):] + ms[:rnd % len(ms)]
+            for m in order:
+                m.fresh()
+                t, _ = _timed(lambda: m.write_all(block_of))  # noqa: B023 - called here
+                times.setdefault((m.name, "write"), []).append(t)
+                evict(*m.files())
+            for m in order:
+                evict(*m.files())
+                t, _ = _timed(lambda: m.read_all(out, check))  # noqa: B023 - called here
+                times.setdefault((m.name, "read"), []).append(t)
+            loads.append(_uptime())
+    finally:
+        pool.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    what = (f"{total / (1 << 30):.2f} GiB of 64 MiB objects ({SIZE_BLOCK[0]}x{SIZE_BLOCK[1]} "
+            f"f8), sharded = inner chunks {inner}; {rounds} rounds; load {' / '.join(loads)}")
+    for op, label in (("write", "write+flush"), ("read", "cold read")):
+        for m in ms[1:]:
+            base = "ceiling zstd" if "zstd" in m.name and m.name != "ceiling zstd" else "raw"
+            if m.name == base:
+                continue
+            mine, theirs = times[(m.name, op)], times[(base, op)]
+            ratios = [b / a for a, b in zip(mine, theirs)]      # same round, side by side
+            rows.append(row(f"zarr size {m.name} {label} vs {base}", "MiB/s",
+                            mib_s(total, statistics.median(mine)), base,
+                            mib_s(total, statistics.median(theirs)),
+                            target=None if m.name == "ceiling zstd" else 0.9,
+                            note=f"{what}; per-round ratios {min(ratios):.2f}–"
+                                 f"{max(ratios):.2f}; MiB/s {m.name} {_rng(mine, total)}, "
+                                 f"{base} {_rng(theirs, total)}"))
+    return rows
+
+
 # ---------------------------------------------------------------- rows
 
 def _rng(ts: list[float], nbytes: int) -> str:
@@ -697,6 +963,8 @@ def run(quick: bool, workdir: str) -> list[dict]:
         pool.shutdown()
     del x, out
     rows += _mpi_rows(cfg, n, s, workdir, problem)
+    if problem is None:
+        rows += size_case(quick, workdir)
     return rows
 
 
@@ -770,8 +1038,13 @@ if __name__ == "__main__":
     else:
         import tempfile
         quick = "--full" not in sys.argv
+        if "--size-gib" in sys.argv:
+            os.environ["CHEMIO_BENCH_ZARR_GIB"] = sys.argv[sys.argv.index("--size-gib") + 1]
         with tempfile.TemporaryDirectory(prefix="bench-zarr-") as d:
-            for r in run(quick, d):
+            rows = size_case(quick, d) if "--size-only" in sys.argv else run(quick, d)
+            for r in rows:
                 ratio = "" if r["ratio"] is None else f"  x{r['ratio']:.2f}"
                 tgt = "" if r["target"] is None else f" (target {r['target']})"
                 print(f"{r['case']:<62} {r['value']:9.1f} {r['metric']}{ratio}{tgt}")
+                if "--notes" in sys.argv:
+                    print(f"    {r['note']}")

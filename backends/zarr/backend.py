@@ -12,6 +12,25 @@ The I/O path is chemio's own: numcodecs encodes and decodes; every object is wri
 to a temporary name in its directory and ``os.replace``-d, so a reader sees the old object
 or the new one, never a torn one; shards are read through their index, decoding only the
 inner chunks a region needs. Objects holding only zeros are not stored (read as zeros).
+An object is written with ``pwritev`` straight from its parts (the encoded inner chunks and
+the index of a shard, or the caller's own array where an inner chunk is stored raw and is
+one contiguous block of it: no assembled copy) into a temporary file preallocated with
+``fallocate`` when it is 1 MiB or more (skipped where the file system refuses). Inner chunks
+stored raw are read straight into the caller's array where their place in it is contiguous
+(runs of neighbours in one ``preadv``), the others into a reused per-thread buffer (never a
+zero-filled one per object). The inner chunks of a large shard (4 MiB or more) are encoded,
+or read and decoded, over chemio's I/O pool, the calling thread working too.
+
+Durability: a persistent array (any array chemio did not create as scratch) is made durable
+by ``flush()`` and by ``close()``: one pass starts the write-back of every object written
+since the last flush (``sync_file_range``), the next fsyncs them, then each key directory
+whose entries changed is fsynced once (writes leave the write-back to the kernel until
+then: starting it per object made the writer wait for the device). A scratch array
+(``"persistent": false`` in chemio's entry of the attributes) is removed when it closes, so
+it is never synced (a crash loses it anyway). No write fsyncs by itself. Objects are never
+rewritten in place, not even those this process created: another process reading a
+half-rewritten compressed object would decode garbage, and a crash would leave a torn
+object in a persistent array; an object's cost is one create, one write and one rename.
 
 Many writers: ``write_all`` is collective two-phase I/O (``zarr_exchange``): each object
 gets one owner rank, which alone rewrites it, so writers of disjoint regions never lose
@@ -37,6 +56,7 @@ open (a bounded cache), so a name swapped for a link later redirects nothing.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import importlib.util
@@ -93,6 +113,8 @@ _DIR_CACHE = 64                   # key directories a store holds open (least re
 _OBJ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 SETTLE_SECONDS = 2.0              # an open waits this long for a re-create under way
+FAN_BYTES = 4 << 20               # inner chunks of a shard this large in all: over the pool
+_SYNC_BATCH = 256                 # objects whose write-back a flush starts together
 
 
 def _spf(n: int) -> int:
@@ -205,6 +227,7 @@ class ZarrArrayStore:
         self._lock_path = os.path.join(path, zf.META_NAME)
         self.lock = bool(lock is True and writable)
         self._object_limit = meta.stored_bound
+        self._durable = durable_array(meta)
         self._zarr_python: Any = None           # zarr.Array of a foreign array, once read
         if self.lock:
             try:
@@ -420,9 +443,12 @@ class ZarrArrayStore:
             raise MetadataError(f"{self._where(index)!r} is not a regular file; refused")
         return fd
 
-    def _pread(self, fd: int, offset: int, n: int, where: str) -> memoryview:
-        buf = bytearray(n)
-        mv = memoryview(buf)
+    def _pread(self, fd: int, offset: int, n: int, where: str,
+               reuse: bool = False) -> memoryview:
+        """``n`` bytes at ``offset`` of ``fd``, in a new buffer that is not zero-filled, or
+        (``reuse``) in this thread's reusable buffer: valid until this thread's next
+        ``reuse`` read, so its caller decodes or copies it before reading again."""
+        mv = _thread_buffer(n) if reuse else np.empty(n, np.uint8).data
         done = 0
         try:
             while done < n:
@@ -545,10 +571,10 @@ class ZarrArrayStore:
                                             f"corrupt: restore it or rewrite this part")
                     self._readinto(fd, out, where)
                     return
-                self._decode(pipe, self._pread(fd, 0, size, where), out, where)
+                self._decode(pipe, self._pread(fd, 0, size, where, True), out, where)
                 return
             tmp = np.empty(chunks, self.dtype)
-            self._decode(pipe, self._pread(fd, 0, size, where), tmp, where)
+            self._decode(pipe, self._pread(fd, 0, size, where, True), tmp, where)
             out[...] = tmp[local]
         finally:
             os.close(fd)
@@ -595,32 +621,101 @@ class ZarrArrayStore:
                    tuple(slice(x, y) for x, y in zip(a, b)))
 
     def _read_shard(self, fd: int, where: str, local: tuple, out: np.ndarray) -> None:
+        """Fill ``out`` with the object-local box ``local`` of the shard open as ``fd``.
+        Inner chunks stored raw whose destination in ``out`` is contiguous are read
+        straight into it (``preadv``, runs of neighbours in one call); the others are
+        read and decoded, over the I/O pool when there is enough of them (``_fan``)."""
         sh = self.meta.shard
         assert sh is not None                   # only called for sharded arrays
         size = self._size(fd, where)
         idx = self._index(fd, size, where)
-        boxes = list(self._inner_boxes(local))
-        want = [k for k, _, _ in boxes if idx[k, 0] != zf.EMPTY]
-        whole_buf = None
-        if want and int(idx[want, 1].sum()) * 2 > size:      # most of it: one read
-            whole_buf = self._pread(fd, 0, size, where)
+        plain = sh.pipeline.plain
         base = [s.start for s in local]
-        for k, ins, obs in boxes:
+        direct: list = []
+        jobs: list = []
+        for k, ins, obs in self._inner_boxes(local):
             dst = out[tuple(slice(s.start - b, s.stop - b) for s, b in zip(obs, base))]
             off, ln = int(idx[k, 0]), int(idx[k, 1])
             if off == zf.EMPTY:
                 dst[...] = self.meta.fill
                 continue
-            buf = whole_buf[off:off + ln] if whole_buf is not None else \
-                self._pread(fd, off, ln, where)
-            w = f"{where} (inner chunk {k})"
             full = tuple(s.stop - s.start for s in ins) == sh.inner
-            if full and dst.flags.c_contiguous:
-                self._decode(sh.pipeline, buf, dst, w)
+            if plain and full and dst.flags.c_contiguous and ln == dst.nbytes:
+                direct.append((off, dst))
             else:
-                tmp = np.empty(sh.inner, self.dtype)
-                self._decode(sh.pipeline, buf, tmp, w)
-                dst[...] = tmp[ins]
+                jobs.append((k, off, ln, ins, dst, full))
+        if direct:
+            self._read_direct(fd, direct, where)
+        if not jobs:
+            return
+        total = sum(j[2] for j in jobs)
+        if len(jobs) > 1 and total >= FAN_BYTES:
+            def one(job: tuple) -> None:
+                k, off, ln, ins, dst, full = job
+                self._decode_inner(self._pread(fd, off, ln, where, True), k, ins, dst,
+                                   full, where)
+            _fan(one, jobs, self.read_streams)
+            return
+        whole = self._pread(fd, 0, size, where, True) if total * 2 > size else None
+        for k, off, ln, ins, dst, full in jobs:
+            buf = whole[off:off + ln] if whole is not None else \
+                self._pread(fd, off, ln, where)
+            self._decode_inner(buf, k, ins, dst, full, where)
+
+    def _decode_inner(self, buf: Any, k: int, ins: tuple, dst: np.ndarray, full: bool,
+                      where: str) -> None:
+        """Decode inner chunk ``k`` (stored bytes ``buf``) and put its part ``ins`` in
+        ``dst``."""
+        sh = self.meta.shard
+        assert sh is not None
+        w = f"{where} (inner chunk {k})"
+        if full and dst.flags.c_contiguous:
+            self._decode(sh.pipeline, buf, dst, w)
+        elif sh.pipeline.plain and len(buf) == math.prod(sh.inner) * self.dtype.itemsize:
+            dst[...] = np.frombuffer(buf, self.dtype).reshape(sh.inner)[ins]   # one copy
+        else:
+            tmp = _thread_tile(sh.inner, self.dtype)
+            self._decode(sh.pipeline, buf, tmp, w)
+            dst[...] = tmp[ins]
+
+    def _read_direct(self, fd: int, direct: list, where: str) -> None:
+        """Read the raw inner chunks ``direct`` [(file offset, contiguous destination)]
+        straight into their destinations, neighbours in the file in one ``preadv``."""
+        direct.sort(key=lambda t: t[0])
+        run: list = []
+        start = end = -1
+        for off, dst in direct:
+            mv = dst.reshape(-1).view(np.uint8).data
+            if run and off == end and len(run) < zf.IOV_MAX:
+                run.append(mv)
+                end += len(mv)
+                continue
+            if run:
+                self._preadv_all(fd, run, start, where)
+            run, start, end = [mv], off, off + len(mv)
+        if run:
+            self._preadv_all(fd, run, start, where)
+
+    def _preadv_all(self, fd: int, views: list, offset: int, where: str) -> None:
+        """Fill the byte views ``views`` in order from ``offset`` of ``fd``, short reads
+        continued; a file that ends first is a ``MetadataError``."""
+        n = sum(len(v) for v in views)
+        pos, i = offset, 0
+        try:
+            while i < len(views):
+                k = os.preadv(fd, views[i:], pos)
+                if k == 0:
+                    raise MetadataError(f"{where}: expected {n} bytes at offset {offset}, "
+                                        f"the file ended after {pos - offset} (truncated "
+                                        f"while being read?)")
+                pos += k
+                while i < len(views) and k >= len(views[i]):
+                    k -= len(views[i])
+                    i += 1
+                if k:
+                    views[i] = views[i][k:]
+        except OSError as e:
+            raise StorageError(e.errno, where, offset, n, "read") from e
 
     # ------------------------------------------------------------ writing objects
     def _all_fill(self, arr: np.ndarray) -> bool:
@@ -640,7 +735,8 @@ class ZarrArrayStore:
         key directory this store holds open (opened again once if it was removed)."""
         rel, name = self._key_parts(index)
         full = self._where(index)
-        n = None if data is None else memoryview(data).nbytes
+        n = None if data is None else \
+            sum(memoryview(p).nbytes for p in (data if isinstance(data, list) else [data]))
         for attempt in (0, 1):
             e = self._dir_get(rel, data is not None) if rel else None
             if rel and e is None:
@@ -668,7 +764,9 @@ class ZarrArrayStore:
 
     def _mark(self, rel: str, name: str | None) -> None:
         """Remember for ``flush``: object ``name`` in key directory ``rel`` (None: only
-        the directory's entries changed)."""
+        the directory's entries changed); nothing for a scratch array."""
+        if not self._durable:
+            return
         with self._dirty_lock:
             if len(self._dirty) < _DIRTY_MAX:
                 self._dirty.add((rel, name))
@@ -712,21 +810,28 @@ class ZarrArrayStore:
         self._put(index, None if self._all_fill(buf) else self._encode_whole(buf))
 
     def _store_shard(self, index: tuple, pieces: list, covered: bool) -> None:
+        """``_store`` of a shard: every inner chunk the pieces touch is gathered (an inner
+        chunk that is one contiguous block of a piece is taken as it is when stored raw)
+        and encoded, over the I/O pool when there is enough of them (``_fan``); the
+        others keep their stored bytes; the shard is then written from its parts
+        (``pwritev``, no joined copy)."""
         sh = self.meta.shard
         assert sh is not None                   # only called for sharded arrays
         where = self._where(index)
         extent = self._layout.chunk_extent(index)
         boxes = [tuple((s.start, s.stop) for s in sl) for sl, _ in pieces]
         fd, idx, old = -1, None, None
-        parts: list = []
+        parts: list = [None] * sh.count
+        jobs: list = []
+        inner = sh.inner
+        pipe = sh.pipeline
         try:
             everything = tuple(slice(0, c) for c in self.chunks)
             for k, _ins, obs in self._inner_boxes(everything):
                 lo = [s.start for s in obs]
                 hi = [min(s.stop, e) for s, e in zip(obs, extent)]
                 if any(h <= l for l, h in zip(lo, hi)):
-                    parts.append(None)                  # wholly outside the array
-                    continue
+                    continue                            # wholly outside the array
                 need = math.prod(h - l for l, h in zip(lo, hi))
                 hits = []
                 got = 0
@@ -736,6 +841,7 @@ class ZarrArrayStore:
                     if all(x < y for x, y in zip(a, b)):
                         hits.append((a, b, bx, arr))
                         got += math.prod(y - x for x, y in zip(a, b))
+                stored = None
                 if not hits or got < need:
                     if fd < 0 and idx is None and not covered:
                         fd = self._open_object(index)
@@ -744,28 +850,53 @@ class ZarrArrayStore:
                             idx = self._index(fd, size, where)
                             if int(idx[idx[:, 0] != zf.EMPTY, 1].sum()) * 2 > size:
                                 old = self._pread(fd, 0, size, where)
-                    stored = None
                     if idx is not None and idx[k, 0] != zf.EMPTY:
                         off, ln = int(idx[k, 0]), int(idx[k, 1])
                         stored = old[off:off + ln] if old is not None else \
                             self._pread(fd, off, ln, where)
                     if not hits:
-                        parts.append(None if stored is None else bytes(stored))
+                        parts[k] = stored
                         continue
-                tile = np.empty(sh.inner, self.dtype)
-                if got < need and stored is not None:
-                    self._decode(sh.pipeline, stored, tile, f"{where} (inner chunk {k})")
+                jobs.append((k, lo, hi, hits, stored if got < need else None,
+                             got == need == math.prod(inner)))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+        # raw inner chunks are gathered into this thread's staging buffer (their slots
+        # stay valid until the shard is written); encoded ones into a reused tile
+        tile_n = math.prod(inner)
+        stage = _thread_stage(len(jobs) * tile_n * self.dtype.itemsize, self.dtype) \
+            if pipe.plain else None
+        slot = {job[0]: i for i, job in enumerate(jobs)}
+
+        def encode(job: tuple) -> None:
+            k, lo, hi, hits, stored, whole = job
+            if stage is not None:
+                i = slot[k]
+                tile = stage[i * tile_n:(i + 1) * tile_n].reshape(inner)
+            else:
+                tile = _thread_tile(inner, self.dtype)
+            if whole and len(hits) == 1:
+                a, b, bx, arr = hits[0]
+                src = arr[tuple(slice(x - b0[0], y - b0[0]) for x, y, b0 in zip(a, b, bx))]
+                if pipe.plain and src.flags.c_contiguous:
+                    tile = src                          # raw and contiguous: no copy
+                else:
+                    tile[...] = src
+            else:
+                if stored is not None:
+                    self._decode(pipe, stored, tile, f"{where} (inner chunk {k})")
                 else:
                     tile[...] = self.meta.fill
                 for a, b, bx, arr in hits:
                     dst = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))
                     src = tuple(slice(x - b0[0], y - b0[0]) for x, y, b0 in zip(a, b, bx))
                     tile[dst] = arr[src]
-                parts.append(None if self._all_fill(tile) else bytes(sh.pipeline.encode(tile)))
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        self._put(index, zf.encode_shard(parts, sh))
+            parts[k] = None if self._all_fill(tile) else pipe.encode(tile)
+        nbytes = len(jobs) * math.prod(inner) * self.dtype.itemsize
+        _fan(encode, jobs, self.write_streams if nbytes >= FAN_BYTES else 1)
+        self._put(index, zf.shard_buffers(parts, sh))
 
     # ------------------------------------------------------------ the ArrayStore API
     def read(self, region: tuple, out: np.ndarray) -> np.ndarray:
@@ -942,15 +1073,19 @@ class ZarrArrayStore:
             raise CollectiveError(f"write_all of Zarr array {self.path!r}", bad)
 
     def flush(self) -> None:
-        """Make the objects this process wrote durable: fsync them and the directories
-        whose entries changed, reached from the array's descriptor, never through a link."""
+        """Make the objects this process wrote since the last flush durable (see the
+        module docstring): one pass that starts the write-back of all of them, one that
+        fsyncs them, then the directories whose entries changed, all reached from the
+        array's descriptor, never through a link. A scratch array (chemio's metadata says
+        ``persistent: false``) is removed when it closes, so nothing is synced."""
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
             everything, self._dirty_all = self._dirty_all, False
+        if not self._durable:
+            return
         if everything:                    # too many to remember: every object there is
             for _, _, files, dfd in os.fwalk(".", dir_fd=self._root):
-                for f in files:
-                    self._fsync_at(dfd, f, os.path.join(self.path, f))
+                self._sync_names(dfd, "", sorted(files))
                 _fsync_quietly(dfd)
             return
         by_dir: dict = {}
@@ -958,31 +1093,49 @@ class ZarrArrayStore:
             names = by_dir.setdefault(rel, set())
             if name is not None:
                 names.add(name)
-        for rel in sorted(by_dir):
-            e = self._dir_get(rel, False) if rel else None
-            if rel and e is None:
-                continue
-            dfd = self._root if e is None else e[0]
-            try:
-                for name in sorted(by_dir[rel]):
-                    self._fsync_at(dfd, name, os.path.join(self.path, rel, name))
-                _fsync_quietly(dfd)
-            finally:
+        held: list = []
+        try:
+            for rel in sorted(by_dir):    # the objects, directory by directory ...
+                try:
+                    e = self._dir_get(rel, False) if rel else None
+                except MetadataError:     # a link in its place now: nothing of ours there
+                    continue
+                if rel and e is None:
+                    continue
+                held.append((rel, e))
+                self._sync_names(self._root if e is None else e[0], rel, sorted(by_dir[rel]))
+            for _rel, e in held:          # ... then the directories
+                _fsync_quietly(self._root if e is None else e[0])
+        finally:
+            for _rel, e in held:
                 if e is not None:
                     self._dir_put(e)
 
-    def _fsync_at(self, dfd: int, name: str, full: str) -> None:
-        try:
-            fd = os.open(name, _OBJ_FLAGS, dir_fd=dfd)
-        except OSError:                   # gone, or a link: nothing of ours to sync
-            return
-        try:
-            if _stat.S_ISREG(os.fstat(fd).st_mode):
-                os.fsync(fd)
-        except OSError as e:
-            raise self._error(e, full, "flush") from e
-        finally:
-            os.close(fd)
+    def _sync_names(self, dfd: int, rel: str, names: list) -> None:
+        """fsync the regular files ``names`` of the directory open as ``dfd`` (``rel`` in
+        the array), ``_SYNC_BATCH`` at a time: the write-back of a batch is started for
+        all of them first (``sync_file_range``), so the device sees them together."""
+        for i in range(0, len(names), _SYNC_BATCH):
+            fds: list = []
+            try:
+                for name in names[i:i + _SYNC_BATCH]:
+                    try:
+                        fd = os.open(name, _OBJ_FLAGS, dir_fd=dfd)
+                    except OSError:       # gone, or a link: nothing of ours to sync
+                        continue
+                    fds.append((fd, name))
+                    if _stat.S_ISREG(os.fstat(fd).st_mode):
+                        zf.start_writeback(fd)
+                for fd, name in fds:
+                    if _stat.S_ISREG(os.fstat(fd).st_mode):
+                        try:
+                            os.fsync(fd)
+                        except OSError as e:
+                            raise self._error(e, os.path.join(self.path, rel, name),
+                                              "flush") from e
+            finally:
+                for fd, _ in fds:
+                    os.close(fd)
 
     def resize(self, shape: Any, comm: Any = None) -> None:
         """``Resizable.resize`` (every axis may grow: objects are named by their grid
@@ -1042,7 +1195,16 @@ class ZarrArrayStore:
         return da.from_zarr(self.path, chunks=chunks if chunks is not None else self.chunks)
 
     def close(self) -> None:
-        """Release this process's resources (no collective call is needed); idempotent."""
+        """Make a persistent array's writes durable (``flush``), then release this
+        process's resources (no collective call is needed); idempotent. A flush error is
+        raised after the resources are released."""
+        err: Exception | None = None
+        if getattr(self, "_durable", False) and not self._closed and \
+                (self._dirty or self._dirty_all):
+            try:
+                self.flush()
+            except Exception as failure:    # released all the same, then raised
+                err = failure
         with self._dir_lock:
             self._closed = True
             for e in self._dirfds.values():
@@ -1057,6 +1219,8 @@ class ZarrArrayStore:
             os.close(fd)
         if root >= 0:
             os.close(root)
+        if err is not None:
+            raise err
 
     close_local = close
 
@@ -1227,6 +1391,95 @@ def _stray_kind(name: str, kind: str) -> str:
     what = {"dir": "a directory", "file": "a file", "link": "a symbolic link",
             "other": "a special file"}[kind]
     return f"{what} that is no object of the array"
+
+
+def durable_array(meta: zf.ZarrMeta) -> bool:
+    """Whether writes to the array of ``meta`` are made durable at ``flush``/``close``:
+    all but chemio's scratch arrays (``"persistent": false`` in chemio's entry of the
+    attributes), which vanish when they close."""
+    mine = meta.attributes.get("chemio") if isinstance(meta.attributes, dict) else None
+    return not (isinstance(mine, dict) and mine.get("persistent") is False)
+
+
+_local = threading.local()
+_BUF_KEEP = 16 << 20             # a thread keeps a reusable read buffer up to this size
+
+
+def _thread_buffer(n: int) -> memoryview:
+    """``n`` bytes of this thread's reusable buffer (grown as needed, never zero-filled;
+    one larger than ``_BUF_KEEP`` is not kept)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, 1 << 16), np.uint8)
+        if n <= _BUF_KEEP:
+            _local.buf = buf
+    return buf[:n].data
+
+
+_STAGE_KEEP = 64 << 20           # ... and a reusable write staging buffer up to this size
+
+
+def _thread_stage(n: int, dtype: np.dtype) -> np.ndarray:
+    """A flat array of ``dtype`` over ``n`` bytes of this thread's reusable staging
+    buffer (gathered raw inner chunks of one shard, until it is written); one larger
+    than ``_STAGE_KEEP`` is not kept."""
+    buf = getattr(_local, "stage", None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n, np.uint8)
+        if n <= _STAGE_KEEP:
+            _local.stage = buf
+    return buf[:n].view(dtype)
+
+
+def _thread_tile(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """This thread's reusable array of ``shape`` and ``dtype`` (decoded inner chunks
+    that are copied out at once)."""
+    tile = getattr(_local, "tile", None)
+    if tile is None or tile.shape != shape or tile.dtype != dtype:
+        tile = np.empty(shape, dtype)
+        _local.tile = tile
+    return tile
+
+
+def _fan(fn: Any, items: list, width: int) -> None:
+    """``fn(item)`` for every item, this thread and up to ``width - 1`` I/O pool threads
+    taking items from one queue; returns when every started call has finished (the
+    first error is raised, the items not started are dropped). The caller works too and
+    waits only for calls already running, so this is safe inside a pool task."""
+    from chemio_py.runtime import pool
+    if len(items) <= 1 or width <= 1 or pool.sync_mode():
+        for it in items:
+            fn(it)
+        return
+    todo = collections.deque(items)
+    cond = threading.Condition()
+    active = [0]
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while True:
+            with cond:
+                if errors or not todo:
+                    return
+                it = todo.popleft()
+                active[0] += 1
+            try:
+                fn(it)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                with cond:
+                    errors.append(e)
+            finally:
+                with cond:
+                    active[0] -= 1
+                    cond.notify_all()
+    for _ in range(min(width, len(items)) - 1):
+        pool.submit(drain)
+    drain()
+    with cond:
+        while active[0]:
+            cond.wait()
+    if errors:
+        raise errors[0]
 
 
 def _fsync_quietly(fd: int) -> None:
