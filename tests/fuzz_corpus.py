@@ -152,7 +152,9 @@ def set_first_record_shape(path: str, shape: tuple[int, ...]) -> None:
     dl, nd = data[q], data[q + 1]
     assert nd == len(shape), f"the first array has {nd} axes"
     struct.pack_into(f"<{nd}q", data, q + 2 + dl, *shape)
-    struct.pack_into("<q", data, ioff + jlen + 32, zlib.crc32(bytes(data[off:off + raw])))
+    from chemio_py.files.recordformat import checksum_function    # the algorithm it names
+    page_crc = checksum_function(head.get("checksum", "crc32"))(bytes(data[off:off + raw]))
+    struct.pack_into("<q", data, ioff + jlen + 32, page_crc)
     blob = bytes(data[ioff:ioff + ilen])
     struct.pack_into("<8sQQII", data, tpos, magic, ioff, ilen, zlib.crc32(blob), jlen)
     with open(path, "wb") as fh:

@@ -59,7 +59,9 @@ from chemio_py.files.recordformat import (
     RecoveredWarning,
     make_codec,
     check_page_size,
+    checksum_function,
     decode_page,
+    default_checksum,
     describe,
     iter_records,
     pad8,
@@ -75,7 +77,7 @@ class RecordFile:
     """Variable-size records (tuples of NumPy arrays) appended and replayed in order.
 
     ``RecordFile(name, mode="w+", *, page_size=4 MiB, compressor=None, depth=2,
-    backend=None, dir=None, size_hint=None, max_bytes=None)``
+    backend=None, dir=None, size_hint=None, max_bytes=None, checksum=None)``
 
     * ``append(*arrays)`` adds one record; pages of ``page_size`` bytes are written behind
       with ``depth`` writes in flight. ``max_bytes`` bounds the (uncompressed) stream:
@@ -92,6 +94,12 @@ class RecordFile:
       Records appended after the last commit are lost if the process dies before it.
       Reopen with ``mode="r"`` to replay or ``"r+"`` to append more; ``page_size`` and
       ``compressor`` are fixed at creation.
+    * Every page carries a checksum, checked when it is read back (on the I/O pool, beside
+      the read-ahead). ``checksum`` picks its algorithm for a new file: ``"crc32c"``
+      (google-crc32c's C code: about memory speed), ``"crc32"`` (zlib's, about 8x slower),
+      or None: ``"crc32c"`` when google-crc32c's C extension is importable, else
+      ``"crc32"``. The file names its algorithm, so a reader uses the right one; files
+      from before the choice existed are ``"crc32"``. ``checksum`` (property): the name.
     * ``nbytes``: bytes the file holds once flushed (compare with ``cio.stat(path).free``);
       ``raw_nbytes``: the uncompressed stream; ``len(log)``: the number of records;
       ``RecordFile.record_nbytes(*arrays)``: stream bytes one record takes;
@@ -108,7 +116,7 @@ class RecordFile:
     def __init__(self, name: str, mode: str = "w+", *, page_size: int | None = None,
                  compressor: Any = None, depth: int = 2, backend: str | None = None,
                  dir: str | None = None, size_hint: int | None = None,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, checksum: str | None = None):
         if mode not in ("r", "r+", "w+", "x+"):
             raise ModeError(f"mode {mode!r} is not one of r, r+, w+, x+ (r: replay an existing "
                             f"file, r+: append to it, w+: create or truncate, x+: create new)")
@@ -117,9 +125,13 @@ class RecordFile:
         if new:
             self._page_size = check_page_size(DEFAULT_PAGE if page_size is None else page_size)
             self._codec = None if compressor is None else make_codec(compressor)
+            self._checksum = default_checksum() if checksum is None else checksum
+            self._crc = checksum_function(self._checksum)
         elif compressor is not None:
             raise ArgumentError("the compressor of a RecordFile is fixed when it is created; "
                                 "pass compressor=None to reopen it")
+        elif checksum is not None:
+            checksum_function(checksum)         # an unknown name is an error here too
         if max_bytes is not None:
             try:
                 max_bytes = operator.index(max_bytes)
@@ -160,7 +172,7 @@ class RecordFile:
             if new:
                 self._f.write(0, HMAGIC + bytes(HEADER - len(HMAGIC)))
             else:
-                self._load_index(page_size)
+                self._load_index(page_size, checksum)
             self._wb = WriteBehind(self._depth, name=f"records:{name}") if mode != "r" else None
             if mode == "r+" and self._pages:
                 self._resume()
@@ -202,6 +214,11 @@ class RecordFile:
     def compressor(self) -> str | None:
         """The codec id (``"zstd"``, ``"blosc"``...) or None."""
         return None if self._codec is None else self._codec.codec_id
+
+    @property
+    def checksum(self) -> str:
+        """The page checksum algorithm: ``"crc32c"`` or ``"crc32"``."""
+        return self._checksum
 
     @property
     def pages(self) -> int:
@@ -347,8 +364,7 @@ class RecordFile:
 
     def _plain_write(self, i: int, off: int, view: np.ndarray) -> int:
         """On the I/O pool: checksum page ``i`` and write it to its place."""
-        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
-        crc = zlib.crc32(view)  # type: ignore[arg-type]
+        crc = self._crc(view)
         self._f.write(off, view)
         self._pages[i][4] = crc
         return len(view)
@@ -360,8 +376,7 @@ class RecordFile:
         """
         raw = len(view)
         assert self._codec is not None          # called for compressed files only
-        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
-        crc = zlib.crc32(view)  # type: ignore[arg-type]
+        crc = self._crc(view)
         try:
             enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
             data, flag = ((memoryview(enc), 1) if len(enc) < raw
@@ -387,8 +402,7 @@ class RecordFile:
         view = self._bufs[self._cur][:raw]
         if i == len(self._pages):
             self._pages.append(None)
-        # numpy's stubs make ndarray a Buffer for Python 3.12+ only
-        crc = zlib.crc32(view)  # type: ignore[arg-type]
+        crc = self._crc(view)
         data, flag = memoryview(view), 0  # type: ignore[arg-type]
         if final and self._codec is not None:
             enc = self._codec.encode(view.view(np.uint64) if raw % 8 == 0 else view)
@@ -435,6 +449,7 @@ class RecordFile:
     def _index_head(self, n_pages: int) -> bytes:
         return json.dumps({"format": FORMAT, "version": VERSION, "page_size": self._page_size,
                            "compressor": None if self._codec is None else self._codec.get_config(),
+                           "checksum": self._checksum,
                            "records": self._n, "stream_bytes": self._stream,
                            "pages": n_pages, "columns": COLUMNS[VERSION]},
                           sort_keys=True).encode()
@@ -468,7 +483,7 @@ class RecordFile:
         self._gen, self._commit_slot, self._tpos, self._durable = gen, j, tpos, durable
 
     # ------------------------------------------------------------ reopening
-    def _load_index(self, page_size: Any) -> None:
+    def _load_index(self, page_size: Any, checksum: str | None) -> None:
         f = self._f
         size = f.size
         where = f"record file {f.path!r}"
@@ -481,6 +496,10 @@ class RecordFile:
             raise ArgumentError(f"{where} has page_size {idx.page_size}, not {page_size}; the "
                                 f"page size is fixed when the file is created (pass "
                                 f"page_size=None)")
+        if checksum is not None and idx.version == VERSION and checksum != idx.checksum:
+            raise ArgumentError(f"{where} checksums its pages with {idx.checksum}, not "
+                                f"{checksum}; the algorithm is fixed when the file is created "
+                                f"(pass checksum=None)")
         if idx.version != VERSION and self._mode != "r":
             raise ModeError(f"{where} is in record format {idx.version}, written by an earlier "
                             f"chemio_py; it can be replayed (mode 'r') but not appended to: "
@@ -489,6 +508,8 @@ class RecordFile:
             self.recovered = idx.recovered
             warnings.warn(idx.recovered, RecoveredWarning, stacklevel=3)
         self._page_size, self._codec = idx.page_size, idx.codec
+        self._checksum = idx.checksum
+        self._crc = checksum_function(idx.checksum)
         self._pages, self._n, self._stream = idx.pages, idx.records, idx.stream
         self._alloc = idx.end
         self._page_no, self._pos = len(idx.pages), 0
@@ -518,7 +539,8 @@ class RecordFile:
             self._f.read(off, comp[:stored])
         else:
             self._f.read(off, page[:raw])
-        return decode_page(self._codec, entry, comp, page, f"record file {self.path!r}", i)
+        return decode_page(self._codec, entry, comp, page, f"record file {self.path!r}", i,
+                           self._checksum)
 
     def replay(self, depth: int = 2) -> "_Replay":
         """Iterate over the records in order, ``depth`` pages read ahead (flushes first).

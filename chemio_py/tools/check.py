@@ -488,7 +488,8 @@ def _check_pages_and_records(rep: Report, idx: Any, read_at: Any, fd: int, path:
         else:
             _pread_into(fd, off, page[:raw], path)
         bar.update(stored if flag else raw)
-        return recordformat.decode_page(idx.codec, pages[i], comp, page, where, i)
+        return recordformat.decode_page(idx.codec, pages[i], comp, page, where, i,
+                                        idx.checksum)
 
     def feed():
         for i in range(len(pages)):

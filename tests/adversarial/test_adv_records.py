@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import chemio_py as cio
-from chemio_py.errors import ChemIOError, MetadataError
+from chemio_py.errors import ArgumentError, ChemIOError, MetadataError
 
 MiB = 1 << 20
 TIMEOUT = 120
@@ -610,3 +610,79 @@ def test_format1_file_replays_and_refuses_append(workdir):
     from chemio_py.tools import check
     rep = check.check_path(str(workdir / "old.0"))
     assert rep.status == 0 and rep.facts["format"] == 1 and rep.facts["records"] == 500
+
+
+# ---------------------------------------------------------------- page checksum algorithms
+
+@pytest.mark.parametrize("algo", ["crc32c", "crc32"])
+def test_damaged_page_is_detected_with_each_checksum(workdir, algo):
+    """One flipped bit inside a page fails the replay with the algorithm the file names,
+    and ``chemio check`` reports it; the same file undamaged replays."""
+    where = str(workdir)
+    recs = [(np.arange(i % 300, dtype=np.int64), np.full(7, i * 0.25)) for i in range(4000)]
+    with cio.RecordFile("crc", "w+", dir=where, page_size=1 << 20, checksum=algo) as log:
+        for r in recs:
+            log.append(*r)
+        path = log.path
+        assert log.checksum == algo
+    loc = locate(path)
+    assert loc["head"]["checksum"] == algo and len(loc["table"]) >= 2
+    with cio.RecordFile("crc", "r", dir=where) as back:
+        assert back.checksum == algo and sum(1 for _ in back.replay()) == len(recs)
+    off = int(loc["table"][1, 0]) + 5000               # inside the second page's bytes
+    byte = open(path, "rb").read()[off]
+    _poke(path, off, bytes([byte ^ 0x10]))
+    with cio.RecordFile("crc", "r", dir=where) as back:
+        with pytest.raises(MetadataError, match=f"page 1 .* fails its {algo} checksum"):
+            for _ in back.replay():
+                pass
+    from chemio_py.tools import check
+    rep = check.check_path(path)
+    assert rep.status != 0 and f"fails its {algo} checksum" in str(rep.problems)
+
+
+def test_index_without_a_checksum_name_is_read_as_crc32(workdir):
+    """Files written before the index named its page checksum (zlib CRC-32 pages, no
+    ``checksum`` key) replay, append (``r+``, staying CRC-32) and pass ``chemio check``."""
+    where = str(workdir)
+    recs = [(np.arange(i % 200), np.full(3, i * 0.5)) for i in range(3000)]
+    with cio.RecordFile("legacy", "w+", dir=where, page_size=1 << 20, checksum="crc32") as log:
+        for r in recs:
+            log.append(*r)
+        path = log.path
+    loc = locate(path)
+    head = dict(loc["head"])
+    del head["checksum"]
+    _rewrite_index(path, loc, head=head)
+    assert "checksum" not in locate(path)["head"]
+    with cio.RecordFile("legacy", "r+", dir=where) as log:
+        assert log.checksum == "crc32"
+        log.append(np.arange(5), np.zeros(3))
+    with cio.RecordFile("legacy", "r", dir=where) as back:
+        got = [tuple(a.copy() for a in r) for r in back.replay()]
+    assert len(got) == len(recs) + 1
+    assert all(np.array_equal(a, b) for g, r in zip(got, recs) for a, b in zip(g, r))
+    assert locate(path)["head"]["checksum"] == "crc32"
+    from chemio_py.tools import check
+    assert check.check_path(path).status == 0
+
+
+def test_unknown_checksum_algorithm_is_refused(workdir):
+    """An index naming a checksum this version does not know is refused on open (it is
+    not replayed unchecked), with the name and what to do; nothing is changed."""
+    where = str(workdir)
+    with cio.RecordFile("alien", "w+", dir=where, page_size=1 << 20) as log:
+        for i in range(100):
+            log.append(np.arange(i))
+        path = log.path
+    loc = locate(path)
+    head = dict(loc["head"], checksum="xxh3")
+    _rewrite_index(path, loc, head=head)
+    before = open(path, "rb").read()
+    for mode in ("r", "r+"):
+        with pytest.raises(MetadataError, match="page checksum 'xxh3'.*does not know"):
+            cio.RecordFile("alien", mode, dir=where)
+    assert open(path, "rb").read() == before
+    with pytest.raises(ArgumentError, match="checksum .md5. is not known"):
+        cio.RecordFile("other", "w+", dir=where, checksum="md5")
+    assert not os.path.exists(os.path.join(where, "other.0"))

@@ -150,6 +150,43 @@ def test_reopen_replay_and_append(store, compressor):
     cio.RecordFile.remove("reopen", backend=store)
 
 
+@pytest.mark.parametrize("compressor", [None, "zstd"])
+def test_crc32_file_reads_back_where_crc32c_is_available(store, compressor):
+    """A file written where google-crc32c is missing (``checksum="crc32"``, what the
+    default falls back to there) replays, takes appends in its own algorithm and pickles
+    to a copy where the default is crc32c; the default is crc32c with the C wheel."""
+    import pickle
+    from chemio_py.files import recordformat
+    assert recordformat.default_checksum() == "crc32c"     # google-crc32c is installed
+    recs = _records(3000, seed=11) + [(np.random.default_rng(12).random(300_000),)]
+    more = _records(400, seed=13)
+    with cio.RecordFile("zlibcrc", "w+", compressor=compressor, page_size=MiB,
+                        backend=store, checksum="crc32") as log:
+        for r in recs:
+            log.append(*r)
+    with cio.RecordFile("zlibcrc", "r+", backend=store) as log:
+        assert log.checksum == "crc32"
+        for r in more:
+            log.append(*r)
+        with pytest.raises(cio.errors.ArgumentError, match="crc32, not crc32c"):
+            cio.RecordFile("zlibcrc", "r", backend=store, checksum="crc32c")
+    meta, data = _flatten(recs + more)
+    with cio.RecordFile("zlibcrc", "r", backend=store) as log:
+        assert log.checksum == "crc32"
+        _check_replay(log.replay(depth=2), meta, data)
+        copy = pickle.loads(pickle.dumps(log))
+        _check_replay(copy.replay(), meta, data)
+    with cio.RecordFile("fast", "w+", compressor=compressor, page_size=MiB,
+                        backend=store) as log:
+        assert log.checksum == "crc32c"
+        for r in recs:
+            log.append(*r)
+        meta, data = _flatten(recs)
+        _check_replay(log.replay(depth=2), meta, data)
+    cio.RecordFile.remove("zlibcrc", backend=store)
+    cio.RecordFile.remove("fast", backend=store)
+
+
 def test_flush_then_append_more(store):
     recs = _records(4000, seed=6)
     with cio.RecordFile("inc", "w+", compressor="zstd", backend=store) as log:
