@@ -30,12 +30,26 @@ Scratch goes to ``dir`` when given, else to ``PYSCF_TMPDIR``/``lib.param.TMPDIR`
 (``CHEMIO_SCRATCH``); ``shm`` and ``auto`` keep their data in RAM either way. Under MPI
 each rank's files are its own (``COMM_SELF``), as PySCF's are.
 
+**Messages.** While enabled, what chemio logs (``logging.getLogger("chemio_py")`` and below:
+spills of ``auto`` to disk, recoveries, backend choices, cleanup) is also written by PySCF's
+``lib.logger`` to ``sys.stdout``, as PySCF's own messages are: WARNING and above as
+``lib.logger.warn`` (ERROR as ``error``), INFO as ``info``, DEBUG as ``debug``, each shown
+when ``verbose`` (``enable``/``patch`` argument; None: PySCF's default, what a new ``Mole``
+gets: ``pyscf.__config__.VERBOSE``, else ``logger.NOTE`` = 3) reaches that level
+(``logger.WARN`` = 2, ``INFO`` = 4, ``DEBUG`` = 5), so ``verbose=0`` prints nothing. One
+handler serves nested ``enable`` calls (the innermost ``verbose`` applies; no message is
+printed twice) and goes at the last ``disable``; for ``verbose`` >= 4 the ``chemio_py``
+logger's level is lowered to let INFO (>= 5: DEBUG) records through while enabled.
+``semi_direct`` writes its own messages to ``lib.logger`` at the SCF object's ``verbose``;
+they are not repeated.
+
 ``enable`` calls nest: each ``disable`` (or the end of a ``with patch``) puts back exactly
 what the matching ``enable`` found. ``usage()`` counts what went through chemio.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -60,6 +74,8 @@ class _Level:
     """What one ``enable`` changed: (object, attribute, value before or _ABSENT)."""
     saved: list = field(default_factory=list)
     original_tmp: Any = None            # PySCF's own H5TmpFile class
+    verbose: int = 0                    # lib.logger verbosity of chemio's messages
+    log_level: int | None = None        # the chemio_py logger's level before (None: kept)
 
 
 _ABSENT = object()
@@ -294,6 +310,85 @@ def _xlist_class(backend: str | None, dir: str | None, settings: dict) -> type:
     return Xlist
 
 
+# ---------------------------------------------------------------- messages
+
+_LOGGER = "chemio_py"
+FORWARDED = "pyscf_logged"      # a record with this attribute set was written to lib.logger
+
+
+class _Out:
+    """What ``lib.logger``'s functions take: ``verbose`` and ``stdout`` (looked up when a
+    message is written, as PySCF's objects do)."""
+
+    def __init__(self, verbose: int):
+        self.verbose = verbose
+
+    @property
+    def stdout(self) -> Any:
+        return sys.stdout
+
+
+class _ToPySCFLogger(logging.Handler):
+    """Writes ``chemio_py`` log records with PySCF's ``lib.logger`` at the innermost
+    ``enable``'s ``verbose``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, FORWARDED, False):
+            return
+        with _lock:
+            if not _levels:
+                return
+            verbose = _levels[-1].verbose
+        try:
+            from pyscf.lib import logger
+            if record.levelno >= logging.ERROR:
+                fn = logger.error
+            elif record.levelno >= logging.WARNING:
+                fn = logger.warn
+            elif record.levelno >= logging.INFO:
+                fn = logger.info
+            else:
+                fn = logger.debug
+            fn(_Out(verbose), "chemio: %s", record.getMessage())
+        except Exception:  # noqa: BLE001 - logging never raises into the caller
+            self.handleError(record)
+
+
+_handler = _ToPySCFLogger()
+
+
+def _verbosity(verbose: Any, lib: Any) -> int:
+    if verbose is None:                 # what gto.Mole.verbose defaults to
+        from pyscf import __config__
+        return int(getattr(__config__, "VERBOSE", lib.logger.NOTE))
+    if isinstance(verbose, bool) or not isinstance(verbose, int) or verbose < 0:
+        raise ArgumentError(f"verbose={verbose!r}: give a PySCF verbosity, an integer >= 0 "
+                            f"(lib.logger.WARN = 2, INFO = 4, DEBUG = 5) or None for "
+                            f"PySCF's default; nothing changed")
+    return verbose
+
+
+def _start_messages(level: _Level, lib: Any) -> None:
+    """Route chemio's records to lib.logger for this level (hold ``_lock``)."""
+    log = logging.getLogger(_LOGGER)
+    need = (logging.DEBUG if level.verbose >= lib.logger.DEBUG else
+            logging.INFO if level.verbose >= lib.logger.INFO else None)
+    if need is not None and log.getEffectiveLevel() > need:
+        level.log_level = log.level
+        log.setLevel(need)
+    if not _levels:
+        log.addHandler(_handler)
+
+
+def _stop_messages(level: _Level) -> None:
+    """Undo ``_start_messages`` of ``level`` (hold ``_lock``; ``level`` already popped)."""
+    log = logging.getLogger(_LOGGER)
+    if level.log_level is not None:
+        log.setLevel(level.log_level)
+    if not _levels:
+        log.removeHandler(_handler)
+
+
 # ---------------------------------------------------------------- the switch
 
 def _set(level: _Level, obj: Any, name: str, value: Any) -> None:
@@ -304,10 +399,11 @@ def _set(level: _Level, obj: Any, name: str, value: Any) -> None:
 
 
 def enable(backend: str | None = None, max_memory: float | None = None, *,
-           dir: Any = None, **settings: Any) -> None:
+           dir: Any = None, verbose: int | None = None, **settings: Any) -> None:
     """Route PySCF's scratch (``H5TmpFile``, ``call_in_background``, the Davidson
-    ``_Xlist``) to chemio (module docstring). ``settings`` go to every ``H5TmpFile``
-    (``checksum=True``, backend options). Undo with ``disable()``."""
+    ``_Xlist``) to chemio and chemio's log messages to ``lib.logger`` at ``verbose``
+    (None: PySCF's default verbosity) (module docstring). ``settings`` go to every
+    ``H5TmpFile`` (``checksum=True``, backend options). Undo with ``disable()``."""
     try:
         import h5py
         from pyscf import lib
@@ -319,6 +415,7 @@ def enable(backend: str | None = None, max_memory: float | None = None, *,
                                    not isinstance(max_memory, (int, float)) or max_memory <= 0):
         raise ArgumentError(f"max_memory={max_memory!r}: give megabytes (a number > 0), as "
                             f"PySCF's max_memory; nothing changed")
+    verbose = _verbosity(verbose, lib)
     if backend is not None:
         import chemio_py.backends as backends
         backends.resolve(backend)       # an unknown or unavailable backend fails here
@@ -327,7 +424,7 @@ def enable(backend: str | None = None, max_memory: float | None = None, *,
         if not _registered:
             h5py.Group.register(Group)
             _registered.append(True)
-        level = _Level()
+        level = _Level(verbose=verbose)
         level.original_tmp = _levels[0].original_tmp if _levels else misc.H5TmpFile
         original_tmp = level.original_tmp
         original_bg = misc.call_in_background
@@ -348,6 +445,7 @@ def enable(backend: str | None = None, max_memory: float | None = None, *,
         _set(level, linalg_helper, "_Xlist", _xlist_class(backend, where, settings))
         if max_memory is not None:
             _set(level, lib.param, "MAX_MEMORY", max_memory)
+        _start_messages(level, lib)
         _levels.append(level)
 
 
@@ -366,13 +464,14 @@ def disable() -> None:
                     pass
             else:
                 setattr(obj, name, old)
+        _stop_messages(level)
 
 
 @contextlib.contextmanager
 def patch(backend: str | None = None, max_memory: float | None = None, *, dir: Any = None,
-          **settings: Any) -> Iterator[None]:
+          verbose: int | None = None, **settings: Any) -> Iterator[None]:
     """``enable(...)`` for the ``with`` block, ``disable()`` at its end (errors too)."""
-    enable(backend, max_memory, dir=dir, **settings)
+    enable(backend, max_memory, dir=dir, verbose=verbose, **settings)
     depth = len(_levels)
     try:
         yield

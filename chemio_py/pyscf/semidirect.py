@@ -280,9 +280,11 @@ class SemiDirectJK:
         """``msg`` to the ``chemio_py.pyscf`` logger and to PySCF's logger at ``verbose``."""
         if self.comm.size > 1:
             msg = f"[rank {self.comm.rank}] {msg}"
-        log.log(level, msg)
         mf = self._mf()
-        if mf is None or (self.comm.rank != 0 and level < logging.WARNING):
+        forward = mf is not None and (self.comm.rank == 0 or level >= logging.WARNING)
+        # the plug-in's handler (chemio_py.pyscf.patch) does not repeat what is written here
+        log.log(level, msg, extra={"pyscf_logged": forward})
+        if not forward:
             return
         from pyscf.lib import logger
         fn = {logging.DEBUG: logger.debug, logging.INFO: logger.info,

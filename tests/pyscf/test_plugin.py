@@ -321,3 +321,90 @@ print(f"rank{{c.rank}}:same", flush=True)
 def test_one_process_per_rank_under_mpiexec(mpirun, backend):
     p = mpirun(2, MPI_BODY.format(backend=backend))
     assert p.stdout.count(":same") == 2, p.stdout
+
+
+# ---------------------------------------------------------------- messages to lib.logger
+
+def _spill(backend_verbose: dict) -> None:
+    """Under ``patch(**backend_verbose)``: a PySCF scratch dataset larger than the auto
+    backend's 1 MiB RAM budget (it spills, with a SpillWarning and a log record)."""
+    import warnings
+    from chemio_py.runtime import config
+    config.configure(shm_limit="1M")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cio.errors.SpillWarning)
+        with cpyscf.patch(backend="auto", **backend_verbose):
+            f = lib.H5TmpFile()
+            f["amps"] = np.ones((512, 1024))         # 4 MiB
+            assert np.array_equal(f["amps"][3], np.ones(1024))
+            f.close()
+
+
+@pytest.mark.parametrize("verbose", [0, 1, 2, 3])
+def test_spill_reaches_pyscf_logger_at_its_verbosity(capsys, verbose):
+    """A spill of auto is a WARNING of the chemio_py logger: printed by lib.logger.warn
+    (``WARN: chemio: ...`` on stdout) from verbose 2 (logger.WARN) on, and not below."""
+    _spill({"verbose": verbose})
+    out = capsys.readouterr().out
+    if verbose >= 2:
+        assert out.count("WARN: chemio: ") >= 1 and "moved from RAM to disk" in out
+    else:
+        assert "chemio" not in out and out == ""
+
+
+def test_pyscf_logger_default_verbosity_is_pyscfs(capsys, monkeypatch):
+    """verbose=None: PySCF's default (``__config__.VERBOSE``, else NOTE = 3)."""
+    import pyscf
+    monkeypatch.setattr(pyscf.__config__, "VERBOSE", 0, raising=False)
+    _spill({})
+    assert capsys.readouterr().out == ""
+    monkeypatch.delattr(pyscf.__config__, "VERBOSE", raising=False)
+    _spill({})
+    assert "WARN: chemio: " in capsys.readouterr().out
+
+
+def test_messages_levels_nesting_and_removal(capsys):
+    """INFO and DEBUG records need verbose 4 and 5; nested patches print each record once
+    (the innermost verbose applies); after the last patch nothing is printed and the
+    chemio_py logger has its handlers and level back."""
+    import logging
+    root = logging.getLogger("chemio_py")
+    handlers, level = list(root.handlers), root.level
+    log = logging.getLogger("chemio_py.test_plugin")
+    with cpyscf.patch(verbose=4):
+        log.info("info-at-4")
+        log.debug("debug-at-4")
+        with cpyscf.patch(verbose=5):
+            log.warning("warn-nested")
+            log.debug("debug-at-5")
+            with cpyscf.patch(verbose=0):
+                log.warning("warn-quiet")
+        log.error("error-at-4")
+        assert root.level <= logging.INFO
+    log.warning("after")
+    out = capsys.readouterr().out
+    assert out.count("chemio: info-at-4") == 1 and "debug-at-4" not in out
+    assert out.count("WARN: chemio: warn-nested") == 1
+    assert out.count("chemio: debug-at-5") == 1
+    assert out.count("ERROR: chemio: error-at-4") == 1
+    assert "warn-quiet" not in out and "after" not in out
+    assert root.handlers == handlers and root.level == level
+    with pytest.raises(cio.errors.ArgumentError, match="verbose"):
+        cpyscf.enable(verbose=-1)
+    assert not cpyscf.enabled() and root.handlers == handlers
+
+
+def test_semi_direct_messages_are_not_repeated_under_patch(capsys):
+    """semi_direct writes its messages to lib.logger itself; the plug-in does not repeat them."""
+    import sys
+    mol = gto.M(atom="O 0 0 0; H 0 .757 .587; H 0 -.757 .587", basis="sto-3g", verbose=0)
+    mol.stdout = sys.stdout                      # PySCF's default is the stdout of import
+    with cpyscf.patch(backend="local", verbose=4):
+        mf = cpyscf.semi_direct(scf.RHF(mol), max_memory=200)
+        mf.verbose = 4
+        e = mf.kernel()
+        mf.semi_direct.close()
+    out = capsys.readouterr().out
+    assert abs(e - scf.RHF(mol).kernel()) < 1e-9
+    assert out.count("chemio semi-direct: first cycle") == 1
+    assert "chemio: first cycle" not in out
