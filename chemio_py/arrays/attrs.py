@@ -171,7 +171,7 @@ def store(d: "DiskArray", m: _meta.Meta, inside: bool) -> None:
             mode = os.stat(d.meta_path).st_mode & 0o777
         except OSError:
             mode = 0o600
-        _meta.write_atomic(d.meta_path, _meta.dumps(m), mode)
+        _meta.write_atomic(d.meta_path, _meta.dumps(m), mode, durable=m.persistent)
         return
     import chemio_py.backends as _backends
     write = _backends.backend_capabilities(d._be).write_attributes

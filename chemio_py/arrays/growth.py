@@ -197,7 +197,8 @@ def _write_meta(d: "DiskArray", m: _meta.Meta, what: str) -> None:
     c = d.comm
     with c.agree(what + " metadata"):
         if c.rank == 0:
-            _meta.write_atomic(d.meta_path, _meta.dumps(m), _mode_of(d.meta_path))
+            _meta.write_atomic(d.meta_path, _meta.dumps(m), _mode_of(d.meta_path),
+                               durable=m.persistent)
 
 
 def _mode_of(path: str) -> int:

@@ -579,11 +579,14 @@ def dumps(meta: Meta) -> bytes:
     return (json.dumps(meta.to_doc(), indent=1, allow_nan=False) + "\n").encode()
 
 
-def write_atomic(path: str, payload: bytes, mode: int = 0o600) -> None:
+def write_atomic(path: str, payload: bytes, mode: int = 0o600, *,
+                 durable: bool = True) -> None:
     """Write ``payload`` to ``path`` all-or-nothing: temp file, fsync, rename, fsync dir.
 
-    The temp file's name is this call's own (``jobs.temp_path``: pid, namespace, thread,
-    random); temp files of ``path`` whose writers are gone are removed first."""
+    ``durable=False`` (scratch, which no crash has to survive) skips both fsyncs: readers
+    still see the old or the new document whole. The temp file's name is this call's own
+    (``jobs.temp_path``: pid, namespace, thread, random); temp files of ``path`` whose
+    writers are gone are removed first."""
     d = os.path.dirname(os.path.abspath(path))
     jobs.remove_stale_temps(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -597,7 +600,8 @@ def write_atomic(path: str, payload: bytes, mode: int = 0o600) -> None:
                 raise
     try:
         ownfiles.write_all(fd, payload)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
@@ -609,6 +613,8 @@ def write_atomic(path: str, payload: bytes, mode: int = 0o600) -> None:
         except FileNotFoundError:
             pass
         raise
+    if not durable:
+        return
     try:
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
