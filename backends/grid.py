@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 from itertools import product
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 MIB = 1 << 20
@@ -93,12 +93,11 @@ class Piece:
     shape: tuple[int, ...]        # the piece's extent
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):
     """Pieces of a region on a regular grid of chunks, all the same slice of same-extent
     chunks: piece ``(j0, j1, ...)`` (``j < counts``) starts at byte ``first + sum(j * gstrides)``
     of the file and at element ``where + j * chunks`` of the region; each is ``shape`` with
-    in-chunk byte strides ``cstrides``."""
+    in-chunk byte strides ``cstrides``. (A tuple: made on every hot read, so cheap to make.)"""
     first: int
     counts: tuple[int, ...]
     gstrides: tuple[int, ...]
@@ -159,41 +158,54 @@ class Layout:
         chunks met alike: ``(first chunk index, count, lo, hi, extent)`` with ``lo:hi`` the
         piece's range inside each chunk and ``extent`` the chunk's. Only the first chunk can
         start inside, only the last end inside or be trimmed, so it takes O(1) per axis."""
-        out = []
+        out: list[list[tuple[int, ...]]] = []
         for s, c, n in zip(region, self.chunks, self.shape):
-            a, b = s.start // c, (s.stop - 1) // c
-
-            g = [[i, count, max(s.start, i * c) - i * c, min(s.stop, (i + 1) * c) - i * c,
-                  min(c, n - i * c)]
-                 for i, count in [(a, 1)] + [(a + 1, b - a - 1)] * (b - a >= 2)
-                 + [(b, 1)] * (b > a)]
-            merged: list[list[int]] = []
-            for x in g:
-                if merged and merged[-1][2:] == x[2:]:
-                    merged[-1][1] += x[1]
+            start, stop = s.start, s.stop
+            a, b = start // c, (stop - 1) // c
+            if a == b:                                  # inside one chunk: the usual case
+                out.append([(a, 1, start - a * c, stop - a * c, min(c, n - a * c))])
+                continue
+            g: list[tuple[int, ...]] = [(a, 1, start - a * c, c, c)]
+            if b - a >= 2:
+                x = (a + 1, b - a - 1, 0, c, c)
+                if g[-1][2:] == x[2:]:
+                    g[-1] = (a, b - a, *x[2:])
                 else:
-                    merged.append(x)
-            out.append([tuple(x) for x in merged])
+                    g.append(x)
+            last = (b, 1, 0, stop - b * c, min(c, n - b * c))
+            if g[-1][2:] == last[2:]:
+                g[-1] = (g[-1][0], g[-1][1] + 1, *last[2:])
+            else:
+                g.append(last)
+            out.append(g)
         return out
 
     def blocks(self, region: Region) -> list[Block]:
         """The non-empty ``region`` as at most 3**ndim ``Block``s of pieces that sit on a
         regular grid in the file (same extent, same slice of each chunk). Pure geometry,
         O(3**ndim) whatever the number of chunks."""
-        isz = self.itemsize
+        isz, chunks, trail = self.itemsize, self.chunks, self._trail
+        groups = self.axis_groups(region)
+        combos = [tuple(g[0] for g in groups)] if all(len(g) == 1 for g in groups) \
+            else product(*groups)
+        starts = [s.start for s in region]
         out = []
-        for combo in product(*self.axis_groups(region)):
-            ext = [g[4] for g in combo]
-            cs = c_strides(ext, isz)
-            lead, gstr = 1, []
+        for combo in combos:
+            lead, gstr, first, acc = 1, [], 0, isz
             for k, g in enumerate(combo):
-                gstr.append(self.chunks[k] * lead * self._trail[k] * isz)
+                t = chunks[k] * lead * trail[k] * isz
+                gstr.append(t)
+                first += g[0] * t                       # the chunk's offset
                 lead *= g[4]
-            first = self.chunk_offset([g[0] for g in combo]) \
-                + sum(g[2] * t for g, t in zip(combo, cs))
-            where = [g[0] * c + g[2] - s.start for g, c, s in zip(combo, self.chunks, region)]
-            out.append(Block(first, tuple(g[1] for g in combo), tuple(gstr),
-                             tuple(g[3] - g[2] for g in combo), tuple(cs), tuple(where)))
+            cs = [0] * len(combo)
+            for k in range(len(combo) - 1, -1, -1):     # C strides inside the chunk
+                cs[k] = acc
+                first += combo[k][2] * acc
+                acc *= combo[k][4]
+            out.append(Block(first, tuple([g[1] for g in combo]), tuple(gstr),
+                             tuple([g[3] - g[2] for g in combo]), tuple(cs),
+                             tuple([g[0] * c + g[2] - s0
+                                    for g, c, s0 in zip(combo, chunks, starts)])))
         return out
 
     def copy_blocks(self, region: Region, stored: np.ndarray, dtype: np.dtype,
@@ -204,14 +216,24 @@ class Layout:
         strides): one NumPy copy per block (``blocks``, else ``self.blocks(region)``), so
         time and memory do not grow with the number of chunks. ``write`` copies into
         ``stored``; element types are converted as by assignment."""
-        ms = arr.strides
-        gms = tuple(c * t for c, t in zip(self.chunks, ms))
+        ms = tuple([t if n > 1 else 0 for n, t in zip(arr.shape, arr.strides)])
+        gms = tuple([c * t for c, t in zip(self.chunks, ms)])
+        # Views of ``arr`` are made from its buffer where it has one (a C-ordered array:
+        # the common case, and ~10x cheaper than ``as_strided``), else by slicing.
+        flat = arr if arr.flags.c_contiguous else None
         for b in blocks if blocks is not None else self.blocks(region):
             shape = (*b.counts, *b.shape)
             disk = np.ndarray(shape, dtype, stored, b.first, (*b.gstrides, *b.cstrides))
-            at: tuple = (*(slice(w, None) for w in b.where), ...)
-            mem = np.lib.stride_tricks.as_strided(arr[at], shape, (*gms, *ms),
-                                                  writeable=not write)
+            if flat is not None:
+                at = 0
+                for w, t in zip(b.where, ms):
+                    at += w * t
+                mem = np.ndarray(shape, arr.dtype, flat, at, (*gms, *ms))
+            else:
+                at_: tuple = (*(slice(w, None) for w in b.where), ...)
+                sub = arr[at_]
+                mem = np.lib.stride_tricks.as_strided(sub, shape, (*gms, *ms),
+                                                      writeable=not write)
             if write:
                 np.copyto(disk, mem, casting="unsafe")
             else:
@@ -388,6 +410,12 @@ class Layout:
         touches, one past its last) of the stretches the pieces of ``region`` span, merged
         where at most ``hole`` units apart. Planned a batch of pieces at a time."""
         isz = self.itemsize
+        if any(s.stop <= s.start for s in region):
+            e = np.zeros(0, dtype=np.int64)
+            return e, e
+        blocks = self.blocks(region)
+        if sum(math.prod(b.counts) for b in blocks) <= limit:
+            return self.block_spans(blocks, unit, hole)    # one batch: no cutting
         fa, fb = [], []
         carry = None
         for part in self.ordered_parts(region, None, limit):
@@ -418,6 +446,51 @@ class Layout:
         fa.append(carry[0])
         fb.append(carry[1])
         return np.concatenate(fa), np.concatenate(fb)
+
+    def block_spans(self, blocks: Sequence[Block], unit: int, hole: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """``spans`` of the pieces of ``blocks`` (``blocks(region)``, non-empty) in one
+        batch, whatever their number (``spans`` bounds it): a few pieces in plain Python (a
+        hot read of a small section pays only this), more with one NumPy pass over the grid
+        of each block."""
+        isz = self.itemsize
+        few: list[tuple[int, int]] = []
+        big_a, big_b = [], []
+        for blk in blocks:
+            length = isz
+            for n, t in zip(blk.shape, blk.cstrides):
+                length += (n - 1) * t
+            if math.prod(blk.counts) <= 8:
+                firsts = [blk.first]
+                for n, t in zip(blk.counts, blk.gstrides):
+                    if n > 1:
+                        firsts = [f + j * t for f in firsts for j in range(n)]
+                few += [(f // unit, -(-(f + length) // unit)) for f in firsts]
+                continue
+            f = np.array([blk.first], dtype=np.int64)
+            for n, t in zip(blk.counts, blk.gstrides):
+                if n > 1:
+                    f = (f[:, None] + np.arange(n, dtype=np.int64) * t).ravel()
+            big_a.append(f // unit)
+            big_b.append(-(-(f + length) // unit))
+        if not big_a:
+            few.sort()
+            out_a, out_b = [few[0][0]], [few[0][1]]
+            for lo, hi in few[1:]:
+                if lo > out_b[-1] + hole:
+                    out_a.append(lo)
+                    out_b.append(hi)
+                elif hi > out_b[-1]:
+                    out_b[-1] = hi
+            return np.array(out_a, dtype=np.int64), np.array(out_b, dtype=np.int64)
+        if few:
+            big_a.append(np.array([x[0] for x in few], dtype=np.int64))
+            big_b.append(np.array([x[1] for x in few], dtype=np.int64))
+        a, b = np.concatenate(big_a), np.concatenate(big_b)
+        order = np.argsort(a, kind="stable")
+        a, b = a[order], np.maximum.accumulate(b[order])
+        cut = np.flatnonzero(a[1:] > b[:-1] + hole) + 1
+        return a[np.concatenate(([0], cut))], b[np.concatenate((cut - 1, [b.size - 1]))]
 
     def segments(self, region: Region, mem_strides: Sequence[int]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -274,11 +274,38 @@ def mincore_pages(addr: int, length: int) -> np.ndarray | None:
     return vec & 1
 
 
+_SMALL_VEC = 64                         # pages of a residency check without NumPy
+_small_vec = threading.local()          # .buf: this thread's vector for them
+
+
 def resident(addr: int, ranges: list, pages: int) -> bool | None:
-    """Whether every page of the mapped page ranges ``[(first, end), ...]`` (``pages`` in
-    all) from ``addr`` is in the page cache; None when mincore fails."""
+    """Whether every page of the mapped page ranges ``[(first, end), ...]`` (sorted,
+    disjoint, ``pages`` in all; at least one) from ``addr`` is in the page cache; None when
+    mincore fails."""
+    fn, size = mincore_fn[0], mmap.PAGESIZE
+    lo, hi = ranges[0][0], ranges[-1][1]
+    if len(ranges) > 1 and hi - lo - pages <= 64 * (len(ranges) - 1):
+        # Ranges close together: one call over all of them (a call costs about as much as
+        # the kernel's look at 64 pages), then the pages between them left out.
+        vec = np.empty(hi - lo, dtype=np.uint8)
+        if fn(addr + lo * size, (hi - lo) * size, vec.ctypes.data) != 0:
+            return None
+        np.bitwise_and(vec, 1, out=vec)
+        if vec.all():
+            return True
+        miss = np.concatenate(([0], np.cumsum(vec == 0)))
+        r = np.array(ranges, dtype=np.int64) - lo
+        return bool((miss[r[:, 1]] == miss[r[:, 0]]).all())
+    if len(ranges) == 1:                # a small section: one call, no arrays
+        if pages <= _SMALL_VEC:
+            buf = getattr(_small_vec, "buf", None)
+            if buf is None:
+                buf = _small_vec.buf = (ctypes.c_ubyte * _SMALL_VEC)()
+            if fn(addr + lo * size, pages * size, ctypes.addressof(buf)) != 0:
+                return None
+            return all(x & 1 for x in buf[:pages])
     vec = np.empty(pages, dtype=np.uint8)
-    at, fn, size = vec.ctypes.data, mincore_fn[0], mmap.PAGESIZE
+    at = vec.ctypes.data
     for a, b in ranges:
         if fn(addr + a * size, (b - a) * size, at) != 0:
             return None

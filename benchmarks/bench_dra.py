@@ -25,6 +25,9 @@ Methods, on the same data in the same run, interleaved in rotating order:
   (4 MiB calls) + ``fdatasync``, and sequential ``os.preadv`` of them into the same
   destination array: the device limit as this process sees it;
 * ``numpy.memmap`` of the array as a plain C-ordered file (``flush`` + fsync after writes);
+* ``memory copy`` — the same strided copy of the section from an in-memory array (hot rows
+  only: the machine's copy bandwidth, the ceiling of a hot read; issue 28 asks >= 0.9x
+  ``numpy.memmap`` hot, and figures move with the machine, so the ceiling is beside them);
 * ``h5py`` — a chunked dataset with the same chunk shape, no compression (file fsync'ed);
 * ``zarr`` — v3 array with the same chunks, no compression (every chunk file fsync'ed).
 
@@ -38,6 +41,9 @@ file between the section's rows of chunks).
 fio's O_DIRECT sequential read (1 MiB, QD16) of the same bytes is reported when installed.
 ``python benchmarks/bench_dra.py [--full] [--methods=DRA,DRA checksum]`` runs the named
 methods alone (those two: the cost of checksums), rows of the others left out.
+``--methods=DRA,DRA nofill,raw`` adds ``DRA nofill`` (only when named): the same reads with
+the page-table fill after cold reads off (``posix.page_tables``), to see what the fill
+costs a cold read beside what it saves the next hot one.
 """
 from __future__ import annotations
 
@@ -106,12 +112,15 @@ class _DRA(_Method):
     name = "DRA"
 
     def __init__(self, workdir: str, n: int, request_shape: tuple | None = None,
-                 checksum: bool = False):
+                 checksum: bool = False, fill: bool = True):
         import chemio_py as cio
+        self.fill = fill
         if request_shape is not None:
             self.name = "DRA hinted"
         if checksum:
             self.name = "DRA checksum"
+        if not fill:
+            self.name = "DRA nofill"
         self.d = cio.DiskArray.create("bench", (n, n), "f8", request_shape=request_shape,
                                       path=os.path.join(workdir, f"{self.name[4:] or 'a'}.dra"),
                                       checksum=checksum)
@@ -133,7 +142,15 @@ class _DRA(_Method):
         self.d.flush()
 
     def read(self, sec: tuple, out: np.ndarray) -> None:
-        self.d.read(sec, out)
+        if self.fill:
+            self.d.read(sec, out)
+            return
+        from chemio_py.backends import posix
+        ok, posix.page_tables.ok = posix.page_tables.ok, False
+        try:
+            self.d.read(sec, out)
+        finally:
+            posix.page_tables.ok = ok
 
     def close(self) -> None:
         self.d.delete()
@@ -209,6 +226,27 @@ class _Memmap(_Method):
 
     def close_after_read(self) -> None:
         self.mm = None
+
+
+class _RamCopy(_Method):
+    """The same strided copy from an in-memory array (the ceiling of a hot read on this
+    machine: its memory-copy bandwidth)."""
+    name = "memory copy"
+
+    def __init__(self, n: int):
+        self.a = np.zeros((n, n))
+
+    def files(self) -> list[str]:
+        return []
+
+    def evict(self) -> None:
+        pass
+
+    def write(self, sec: tuple, x: np.ndarray) -> None:
+        self.a[sec] = x
+
+    def read(self, sec: tuple, out: np.ndarray) -> None:
+        np.copyto(out, self.a[sec])
 
 
 class _H5(_Method):
@@ -287,10 +325,12 @@ def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list
     cases = {"aligned": (slice(0, s), slice(0, s)),
              "non-aligned": (slice(OFFSET[0], OFFSET[0] + s), slice(OFFSET[1], OFFSET[1] + s))}
 
-    names = ["DRA", "DRA hinted", "DRA checksum", "raw", "numpy.memmap", "h5py", "zarr"]
-    unknown = sorted(set(methods or ()) - set(names))
+    names = ["DRA", "DRA hinted", "DRA checksum", "raw", "numpy.memmap", "memory copy", "h5py",
+             "zarr"]
+    optional = ["DRA nofill"]           # only when asked for by name (--methods=...)
+    unknown = sorted(set(methods or ()) - set(names) - set(optional))
     if unknown:
-        raise ValueError(f"bench_dra has no method {unknown}; choose from {names}")
+        raise ValueError(f"bench_dra has no method {unknown}; choose from {names + optional}")
     wanted = set(names if methods is None else methods)
     chosen: list[_Method] = []
     notes = []
@@ -300,10 +340,14 @@ def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list
         else [dra]
     if "DRA checksum" in wanted:
         chosen.append(_DRA(workdir, n, checksum=True))
+    if "DRA nofill" in wanted:
+        chosen.append(_DRA(workdir, n, fill=False))
     if "raw" in wanted:
         chosen.append(_Raw(workdir, nbytes))
     if "numpy.memmap" in wanted:
         chosen.append(_Memmap(workdir, n))
+    if "memory copy" in wanted:
+        chosen.append(_RamCopy(n))
     for cls in (_H5, _Zarr):
         if cls.name not in wanted:
             continue
@@ -394,6 +438,22 @@ def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list
                     continue
                 rows.append(row(f"DRA vs {other}: {op} {case}", "MiB/s", bw("DRA", op, case),
                                 other, theirs, target=1.0, note=f"{size}; median of {reps}"))
+    for op in ("cold read", "hot read"):
+        for case in cases:
+            rows.append(row(f"DRA page-table fill off vs on: {op} {case}", "MiB/s",
+                            bw("DRA nofill", op, case), "DRA (fill on)", bw("DRA", op, case),
+                            note="informational: the fill (posix.page_tables) runs beside a "
+                                 f"cold read's I/O and saves the next hot read its faults; {size}"))
+    for op in ("hot read", "hot read again"):
+        for case in cases:
+            ram = bw("memory copy", op, case)
+            if ram is None:
+                continue
+            rows.append(row(f"memory copy (same strided copy from RAM) {op} {case}", "MiB/s",
+                            ram, None, None, note=f"the ceiling of a hot read here; {size}"))
+            rows.append(row(f"DRA vs memory copy: {op} {case}", "MiB/s", bw("DRA", op, case),
+                            "memory copy", ram, target=0.9,
+                            note=f"fixed cost per call on top of the copy; median of {reps}"))
     if fio_mib is not None:
         rows.append(row("fio seq read (O_DIRECT, 1 MiB)", "MiB/s", fio_mib, None, None,
                         note=f"{nbytes // MiB} MiB, ioengine {fio_engine}: the device alone"))

@@ -3,7 +3,8 @@
 ``os.preadv``/``os.pwritev`` release the GIL and move bytes straight between the file and
 the caller's buffer, so a pool of threads reaches the device's queue depth without copies.
 Space is reserved with ``posix_fallocate`` (fast writes, and ENOSPC up front instead of
-half-way). O_DIRECT is opt-in (``direct=True`` or ``CHEMIO_DIRECT=1``): requests whose
+half-way). O_DIRECT for byte files is opt-in (``direct=True`` or ``CHEMIO_DIRECT=1``; the
+default ``auto`` concerns array read-ahead, which picks ``native_read_region``): requests whose
 buffer address, offset and length are aligned go through an O_DIRECT descriptor, the rest
 through the page cache; a file system that refuses O_DIRECT falls back to buffered I/O.
 
@@ -29,7 +30,7 @@ import numpy.ctypeslib  # noqa: F401 - imported lazily, it races between pool th
 
 from chemio_py.backends import posix
 from chemio_py.backends.contract import Region
-from chemio_py.backends.local import linux_aio
+from chemio_py.backends.local import io_uring, linux_aio
 from chemio_py.backends.local.mappings import ReadMap, live_maps, drop_map, map_cap, maps_lock
 from chemio_py.backends.posix import (
     DIRECT_ALIGN,
@@ -231,7 +232,7 @@ class LocalByteStore(_PosixFile):
         """
         mv = bytes_view(out, writable=True)
         addr = self._aio_target(mv, offset)
-        eng = linux_aio.engine() if addr is not None else None
+        eng = io_uring.native_engine() if addr is not None else None
         if eng is None or addr is None or self._dfd is None:
             return None
 
@@ -245,7 +246,7 @@ class LocalByteStore(_PosixFile):
         """Start an aligned O_DIRECT write through Linux AIO; None when not eligible."""
         mv = bytes_view(data, writable=False)
         addr = self._aio_target(mv, offset)
-        eng = linux_aio.engine() if addr is not None else None
+        eng = io_uring.native_engine() if addr is not None else None
         if eng is None or addr is None or self._dfd is None:
             return None
         n = len(mv)
@@ -264,7 +265,7 @@ class LocalByteStore(_PosixFile):
         """The AIO engine when every transfer of ``many`` can go to it, else None."""
         if self._dfd is None or many.bits % DIRECT_ALIGN:
             return None
-        return linux_aio.engine()
+        return io_uring.native_engine()
 
     def native_read_many(self, many: Any, then: Any, stats: Any = None) -> Any:
         """Start many aligned O_DIRECT reads as one request; None when not eligible.
@@ -340,11 +341,11 @@ class LocalByteStore(_PosixFile):
 
     def flush(self) -> None:
         """Make written data durable (fdatasync), O_DIRECT writes in flight included."""
-        linux_aio.settle_descriptor(self._dfd)     # (also one an interrupt cut off)
+        io_uring.settle_descriptor(self._dfd)     # (also one an interrupt cut off)
         super().flush()
 
     def close(self) -> None:
-        linux_aio.settle_descriptor(self._dfd)     # no transfer may outlive the close
+        io_uring.settle_descriptor(self._dfd)     # no transfer may outlive the close
         for name in ("_dfd", "_fd"):
             fd = getattr(self, name)
             if fd is not None and fd >= 0:
@@ -371,7 +372,9 @@ class LocalBackend(ScratchPlaces):
         flags = _MODES[mode] | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = open_checked(path, flags, mode)
         dfd = None
-        if direct if direct is not None else config.get("direct"):
+        if direct is None:              # the setting; its "auto" is for read-ahead only
+            direct = config.get("direct") is True
+        if direct:
             try:
                 dfd = os.open(path, (flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | os.O_DIRECT)
             except OSError:
@@ -468,7 +471,9 @@ class LocalArrayStore(_PosixFile):
         self._map: Any = None                      # (mmap, uint8 view, address), on demand
         self._map_lock = threading.Lock()
         self._map_write_ok: bool | None = None
-        self._plans: dict = {}                     # region -> _plan(region)
+        self._plans: dict = {}                     # region -> _plan(region), LRU order
+        self._big_plan: tuple | None = None        # (key, plan) of a plan too big for them
+        self._extents: dict = {}                   # section -> _exact_runs' stretches
 
     def _check(self, region: Any, arr: np.ndarray) -> None:
         want = tuple(s.stop - s.start for s in region)
@@ -581,14 +586,14 @@ class LocalArrayStore(_PosixFile):
             ra = self._readahead = self._readahead_bytes(self._fd)
         if not ra or not runs:
             return None
-        key = ("extents",) + tuple((s.start, s.stop) for s in whole)
-        ext = self._plans.get(key)
+        key = tuple((s.start, s.stop) for s in whole)
+        ext = self._extents.get(key)
         if ext is None:
             firsts, ends = self.layout.extents(whole)
             ext = (firsts.tolist(), (ends - firsts <= self.EXACT_WINDOWS * ra).tolist())
-            if len(self._plans) >= 16:
-                self._plans.clear()
-            self._plans[key] = ext
+            if len(self._extents) >= 16:
+                self._extents.clear()
+            self._extents[key] = ext
         firsts, short = ext
         if len(firsts) < 2:
             return None
@@ -763,20 +768,39 @@ class LocalArrayStore(_PosixFile):
             if m.dead and not m.pins:
                 m.release()
 
+    PLANS = 256                     # hot-read plans kept per store (least recent dropped)
+    PLAN_RANGES = 1024              # ... of at most this many page ranges (a larger one: 1)
+
     def _plan(self, region: Any) -> tuple:
         """``(blocks, page ranges, pages)`` of a region: its blocks (``Layout.blocks``) and the
         file's pages its pieces touch as sorted disjoint ``(first, end)`` ranges. Kept for
-        the last few regions (a hot section is read again and again)."""
-        key = tuple((s.start, s.stop) for s in region)
-        plan = self._plans.get(key)
+        the last ``PLANS`` regions (a hot section is read again and again, a NumPy-style
+        selection reads the same boxes each time)."""
+        from chemio_py.backends.grid import BATCH
+        key = tuple([(s.start, s.stop) for s in region])
+        plans = self._plans
+        plan = plans.pop(key, None)
         if plan is None:
-            blocks = self.layout.blocks(region)
-            firsts, lasts = self.layout.spans(region, mmap.PAGESIZE, 0)
+            big = self._big_plan
+            if big is not None and big[0] == key:
+                return big[1]
+            lay = self.layout
+            blocks = lay.blocks(region)
+            if sum(math.prod(b.counts) for b in blocks) <= BATCH:
+                firsts, lasts = lay.block_spans(blocks, mmap.PAGESIZE, 0)
+            else:
+                firsts, lasts = lay.spans(region, mmap.PAGESIZE, 0)
             ranges = list(zip(firsts.tolist(), lasts.tolist()))
             plan = (blocks, ranges, int((lasts - firsts).sum()))
-            if len(self._plans) >= 16:
-                self._plans.clear()
-            self._plans[key] = plan
+            if len(ranges) > self.PLAN_RANGES:
+                self._big_plan = (key, plan)
+                return plan
+            while len(plans) >= self.PLANS:
+                try:
+                    del plans[next(iter(plans))]
+                except (StopIteration, RuntimeError, KeyError):
+                    break                   # another thread changed the dict: next time
+        plans[key] = plan                   # (re)inserted last: the most recently used
         return plan
 
     def _copy_mapped(self, region: Any, out: np.ndarray) -> bool | None:
@@ -954,7 +978,7 @@ class LocalArrayStore(_PosixFile):
         self._check(region, out)
         if out.dtype != self.dtype or not out.size or not out.flags.writeable:
             return None
-        eng = linux_aio.engine()
+        eng = io_uring.native_engine()
         if eng is None:
             return None
         eng.poll()                  # finished reads of ours: completed here, not handed off
@@ -1087,6 +1111,8 @@ class LocalArrayStore(_PosixFile):
         with self._map_lock:
             self._unmap()
         self._plans.clear()
+        self._big_plan = None
+        self._extents.clear()
 
     def _unmap(self) -> None:
         """Close this store's own mapping (a view still alive elsewhere: the GC unmaps)."""
@@ -1113,7 +1139,7 @@ class LocalArrayStore(_PosixFile):
         super().evict()
 
     def close(self) -> None:
-        linux_aio.settle_descriptor(self._region_dfd)      # no region read outlives it
+        io_uring.settle_descriptor(self._region_dfd)      # no region read outlives it
         with maps_lock:
             drop_map(id(self))
         dfd, self._region_dfd = self._region_dfd, -1

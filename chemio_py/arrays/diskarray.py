@@ -98,6 +98,8 @@ def block_section(shape: Sequence[int], comm: Any = None, axis: int = 0, *,
 
 def _direct(a: np.ndarray) -> bool:
     """True when the store can move bytes straight into/out of ``a`` (rows contiguous)."""
+    if a.flags.c_contiguous:
+        return True                     # the usual case, without looking at the strides
     isz = a.itemsize
     if any(s < 0 or s % isz for n, s in zip(a.shape, a.strides) if n > 1):
         return False
@@ -197,7 +199,7 @@ def _record(be: _backends.Backend, m: _meta.Meta, data: str, mpath: str, keep: b
         elif os.path.lexists(crc):          # those of an array this one replaces
             jobs.disown(crc)
             jobs.remove_path(crc)
-        _meta.write_atomic(mpath, _meta.dumps(m), 0o666 if keep else 0o600)
+        _meta.write_atomic(mpath, _meta.dumps(m), 0o666 if keep else 0o600, durable=keep)
         if not keep:
             jobs.own(mpath)
 
@@ -1262,12 +1264,14 @@ class DiskArray(StoreHandle):
     # ------------------------------------------------------------ pipelines and interop
     def iter_blocks(self, axis: int = 0, size: int | None = None, depth: int = 2,
                     out_dtype: Any = None, *, name: str | None = None,
-                    direct: bool | None = None, start: int | None = None,
+                    direct: bool | str | None = None, start: int | None = None,
                     stop: int | None = None) -> Pipeline:
         """Read the array in blocks along ``axis`` with read-ahead: yields ``(section,
         block)`` (``chemio_py.prefetch.iter_blocks``, which says what each argument does;
-        ``start``/``stop`` bound the range along ``axis``; ``direct=True`` reads uncached
-        blocks through O_DIRECT and Linux AIO)."""
+        ``start``/``stop`` bound the range along ``axis``; ``direct``: ``"auto"`` (the
+        default setting) reads cold, aligned blocks of 2 MiB or more through O_DIRECT and
+        Linux AIO and the rest through the page cache, ``True``/``False`` force a path;
+        the choice is in the pipeline's ``stats.read_path``)."""
         from chemio_py.prefetch import iter_blocks
         return iter_blocks(self, axis=axis, size=size, depth=depth, out_dtype=out_dtype,
                            name=name, direct=direct, start=start, stop=stop)

@@ -60,6 +60,20 @@ def _norm_index(k: Any, n: int, axis: int, key: Any, shape: tuple) -> tuple[slic
 
 def parse_section(key: Any, shape: tuple[int, ...]) -> tuple[Region, tuple[bool, ...]]:
     """``key`` as (region of step-1 slices, which axes an int index drops)."""
+    if type(key) is tuple and len(key) == len(shape):
+        # the usual key of a section call: step-1 slices with bounds inside the shape
+        region = []
+        for k, n in zip(key, shape):
+            if type(k) is not slice or k.step is not None:
+                break
+            a, b = k.start, k.stop
+            a = 0 if a is None else a
+            b = n if b is None else b
+            if type(a) is not int or type(b) is not int or not 0 <= a <= b <= n:
+                break
+            region.append(slice(a, b))
+        else:
+            return tuple(region), (False,) * len(shape)
     items = key if isinstance(key, tuple) else (key,)
     if isinstance(key, list):
         raise SectionError(f"section {key!r} is a list (fancy indexing); use a tuple of "

@@ -122,6 +122,20 @@ def _parse_bool(v: Any) -> bool:
     raise ValueError(_BOOL_ACCEPTED)
 
 
+_DIRECT_ACCEPTED = "expected auto, true or false (also 1/0, yes/no, on/off)"
+
+
+def _parse_direct(v: Any) -> bool | str:
+    """The ``direct`` setting: ``"auto"`` (the default: read-ahead chooses), True or False."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _parse_bool(v)
+    except ValueError:
+        raise ValueError(_DIRECT_ACCEPTED if isinstance(v, (str, bool, int))
+                         else f"{_DIRECT_ACCEPTED}, not a {type(v).__name__}") from None
+
+
 def _parse_io_threads(v: Any) -> int:
     """A whole number of threads from 1 to ``MAX_IO_THREADS``: no bools, floats, NaN or inf."""
     accepted = f"expected a positive whole number of threads, at most {MAX_IO_THREADS}"
@@ -140,6 +154,19 @@ def _parse_io_threads(v: Any) -> int:
     if not 1 <= i <= MAX_IO_THREADS:
         raise ValueError(accepted)
     return i
+
+
+_AIO_ENGINES = ("auto", "io_uring", "aio", "threads")
+
+
+def _parse_aio_engine(v: Any) -> str:
+    accepted = f"expected one of {', '.join(_AIO_ENGINES)}"
+    if not isinstance(v, str):
+        raise ValueError(f"{accepted}, not a {type(v).__name__}")
+    s = v.strip().lower()
+    if s not in _AIO_ENGINES:
+        raise ValueError(accepted)
+    return s
 
 
 def _parse_name(v: Any) -> str:
@@ -487,8 +514,12 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
     Spec("sigterm_cleanup", "CHEMIO_SIGTERM_CLEANUP", lambda: True, _parse_bool,
          "on SIGTERM (e.g. a job's walltime), remove this process's scratch, then run the "
          "handler that was there before or end as SIGTERM would"),
-    Spec("direct", "CHEMIO_DIRECT", lambda: False, _parse_bool,
-         "use O_DIRECT for aligned requests on the local backend"),
+    Spec("aio_engine", "CHEMIO_AIO_ENGINE", lambda: "auto", _parse_aio_engine,
+         "kernel interface of the local backend's aligned O_DIRECT requests: 'auto' "
+         "(io_uring, else Linux AIO, else the I/O threads), 'io_uring', 'aio' or 'threads'"),
+    Spec("direct", "CHEMIO_DIRECT", lambda: "auto", _parse_direct,
+         "O_DIRECT on the local backend: 'auto' (read-ahead picks it for cold aligned "
+         "big blocks), true (aligned requests always), false (never)"),
     Spec("map_cap", "CHEMIO_MAP_CAP", lambda: "8G", _parse_limit,
          "bytes of array files the local backend keeps mapped for reads from the page "
          "cache (least recently used first out): bytes (512M, 8G) or a share of memory"),

@@ -233,12 +233,14 @@ class PipelineStats:
     ``ops`` and ``bytes`` count completed requests; ``io_seconds`` sums their issue-to-
     completion times; ``wait_seconds`` is the time the consumer was blocked on them;
     ``compute_seconds`` the time it spent between steps. ``spans`` keeps
-    ``(track, t0, t1)`` tuples (``perf_counter`` seconds) for ``plot_timeline``.
+    ``(track, t0, t1)`` tuples (``perf_counter`` seconds) for ``plot_timeline``;
+    ``read_path`` says how a read-ahead reads (``iter_blocks``: O_DIRECT or the page
+    cache, and why), or None.
     """
 
     __slots__ = ("name", "kind", "ops", "bytes", "io_seconds", "wait_seconds",
                  "compute_seconds", "t_first", "t_last", "spans", "dropped_spans",
-                 "_parent", "_lock")
+                 "read_path", "_parent", "_lock")
 
     def __init__(self, name: str, kind: str, parent: "PipelineStats | None" = None):
         self.name = name
@@ -252,6 +254,7 @@ class PipelineStats:
         self.t_last: float | None = None
         self.spans: list[tuple[str, float, float]] = []
         self.dropped_spans = 0
+        self.read_path: str | None = None
         self._parent = parent
         self._lock = threading.Lock()
 
@@ -306,6 +309,12 @@ class PipelineStats:
         if self._parent is not None:
             self._parent._add_op(nbytes, t_issue, t_done, wait, wait_t0, slot)
 
+    def set_read_path(self, text: str) -> None:
+        """Record how this run reads (the totals of its name show the latest run's)."""
+        self.read_path = text
+        if self._parent is not None:
+            self._parent.read_path = text
+
     def computed(self, t0: float, t1: float) -> None:
         """Count consumer work between two steps of the pipeline."""
         if collector.on:
@@ -325,7 +334,7 @@ class PipelineStats:
         return {"pipeline": self.name, "kind": self.kind, "ops": self.ops, "bytes": self.bytes,
                 "io_seconds": self.io_seconds, "wait_seconds": self.wait_seconds,
                 "compute_seconds": self.compute_seconds, "wall_seconds": self.wall_seconds,
-                "efficiency": self.efficiency}
+                "efficiency": self.efficiency, "read_path": self.read_path}
 
     def __repr__(self) -> str:
         eff = self.efficiency
@@ -366,8 +375,10 @@ def _pipeline_report() -> str:
                      f"{p['io_seconds']:.3f}", f"{p['wait_seconds']:.3f}",
                      f"{p['compute_seconds']:.3f}", "-" if eff is None else f"{eff:.0%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+    text = "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+    paths = [f"  {p['pipeline']}: {p['read_path']}" for p in pipes if p.get("read_path")]
+    return text + ("\nread paths:\n" + "\n".join(paths) if paths else "")
 
 
 def plot_timeline(source: Any = None, path: str | None = None, ax: Any = None) -> Any:

@@ -247,3 +247,139 @@ def test_diskarray_evict_drops_pages_and_mapping(tmp_path):
     assert resident is not None and resident < 0.5, resident
     assert d[:].sum() == 512 * 512                           # and it reads back correctly
     d.delete()
+
+
+# ---------------------------------------------------------------- planning of hot reads
+# The plans a hot read makes (blocks of pieces, the pages they touch, the copy per block)
+# against brute force: every element's byte offset from the format's definition.
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from chemio_py.backends import grid  # noqa: E402
+
+
+def _model_offsets(shape, chunks, itemsize):
+    offs = np.zeros(shape, dtype=np.int64)
+    pos = 0
+    for idx in np.ndindex(*[-(-n // c) for n, c in zip(shape, chunks)]):
+        sl = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunks, shape))
+        ext = tuple(s.stop - s.start for s in sl)
+        offs[sl] = pos + np.arange(int(np.prod(ext)), dtype=np.int64).reshape(ext) * itemsize
+        pos += int(np.prod(ext)) * itemsize
+    return offs
+
+
+@st.composite
+def _grids(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 40)) for _ in range(ndim))
+    chunks = tuple(draw(st.integers(1, n + 3)) for n in shape)
+    lo = [draw(st.integers(0, n - 1)) for n in shape]
+    hi = [draw(st.integers(a + 1, n)) for a, n in zip(lo, shape)]
+    return shape, chunks, tuple(slice(a, b) for a, b in zip(lo, hi)), draw(st.sampled_from(
+        [1, 2, 8]))
+
+
+def _piece_spans(lay, region, offs, unit):
+    """(first, end) in units of every piece of ``region``: brute force over its chunks."""
+    out = []
+    for p in lay.pieces(region):
+        box = offs[tuple(slice(a, a + n) for a, n in zip(p.start, p.shape))]
+        out.append((int(box.min()) // unit, -(-(int(box.max()) + lay.itemsize) // unit)))
+    return sorted(out)
+
+
+def _merge(spans, hole):
+    out = []
+    for a, b in spans:
+        if out and a <= out[-1][1] + hole:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(x) for x in out]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_grids(), st.sampled_from([1, 64, 4096]), st.sampled_from([0, 3]))
+def test_spans_of_blocks_match_brute_force(case, unit, hole):
+    shape, chunks, region, isz = case
+    lay = grid.Layout(shape, chunks, isz)
+    offs = _model_offsets(shape, chunks, isz)
+    want = _merge(_piece_spans(lay, region, offs, unit), hole)
+    blocks = lay.blocks(region)
+    for got in (lay.block_spans(blocks, unit, hole), lay.spans(region, unit, hole),
+                lay.spans(region, unit, hole, limit=2)):        # batched: the same answer
+        assert list(zip(got[0].tolist(), got[1].tolist())) == want
+    # every piece is in exactly one block, at the block's place
+    seen = set()
+    for b in blocks:
+        for j in np.ndindex(*b.counts):
+            first = b.first + sum(x * t for x, t in zip(j, b.gstrides))
+            at = tuple(w + x * c + s.start for w, x, c, s in zip(b.where, j, chunks, region))
+            assert offs[at] == first
+            assert at not in seen
+            seen.add(at)
+    assert seen == {p.start for p in lay.pieces(region)}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_grids(), st.sampled_from(["c", "strided", "fortran"]), st.booleans())
+def test_copy_blocks_match_numpy(case, kind, write):
+    shape, chunks, region, isz = case
+    dtype = {1: np.uint8, 2: np.int16, 8: np.float64}[isz]
+    lay = grid.Layout(shape, chunks, isz)
+    offs = _model_offsets(shape, chunks, isz) // isz
+    rng = np.random.default_rng(sum(shape) + isz)
+    model = (rng.standard_normal(shape) * 100).astype(dtype)
+    image = np.zeros(int(np.prod(shape)), dtype)
+    image[offs.reshape(-1)] = model.reshape(-1)
+    stored = image.view(np.uint8)
+    want = model[region]
+    if kind == "c":
+        arr = np.zeros(want.shape, dtype)
+    elif kind == "strided":
+        big = np.zeros(tuple(n + 2 for n in want.shape), dtype)
+        arr = big[tuple(slice(1, 1 + n) for n in want.shape)]
+    else:
+        arr = np.zeros(want.shape, dtype, order="F")
+    if write:
+        arr[...] = -want
+        lay.copy_blocks(region, stored, np.dtype(dtype), arr, True)
+        back = np.zeros(shape, dtype)
+        back.reshape(-1)[...] = image[offs.reshape(-1)]
+        expect = model.copy()
+        expect[region] = -want
+        np.testing.assert_array_equal(back, expect)
+    else:
+        lay.copy_blocks(region, stored, np.dtype(dtype), arr, False)
+        np.testing.assert_array_equal(arr, want)
+
+
+def test_residency_over_ranges_close_together(tmp_path):
+    """``posix.resident`` with one mincore over ranges close together says the same as
+    one call per range, whichever pages are cached."""
+    assert posix.mincore_ok()
+    page = mmap.PAGESIZE
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(b"\1" * 64 * page)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)      # no read-ahead
+        mm = mmap.mmap(fd, 64 * page, mmap.MAP_SHARED, mmap.PROT_READ)
+        addr = np.frombuffer(mm, np.uint8).ctypes.data
+        ranges = [(0, 4), (6, 10), (12, 20), (30, 31)]
+        pages = sum(b - a for a, b in ranges)
+        assert posix.resident(addr, ranges, pages) is False
+        for a, b in ranges:                         # bring exactly the ranges in
+            os.pread(fd, (b - a) * page, a * page)
+        vec = posix.mincore_pages(addr, 64 * page)
+        if not all(vec[a:b].all() for a, b in ranges) or vec[21:30].any():
+            pytest.skip("the kernel's read-ahead brought other pages in")
+        assert posix.resident(addr, ranges, pages) is True        # gaps not cached: True
+        assert posix.resident(addr, ranges + [(40, 41)], pages + 1) is False
+        mm.close()
+    finally:
+        os.close(fd)

@@ -13,10 +13,19 @@ import pytest
 
 import chemio_py as cio
 from chemio_py.backends.local import linux_aio
+from chemio_py.runtime import config
 
 pytestmark = pytest.mark.skipif(linux_aio.engine() is None, reason="no Linux AIO here")
 
 K = 4096
+
+
+@pytest.fixture(autouse=True)
+def _aio_engine():
+    """The files of these tests use Linux AIO (io_uring has its own tests)."""
+    config.configure(aio_engine="aio")
+    yield
+    config.configure(aio_engine=None)
 
 
 def _direct_file(tmp_path, name, nbytes=1 << 20):
