@@ -7,6 +7,14 @@
   example in the same process (``reference_seconds``). Runs alternate the order (the
   reference first in every second run). Target: at most 1.5x PySCF's time; the energies
   must agree to 1e-8 Eh.
+* ``examples/ri_mp2.py --scf df --max-memory 3`` quiet and beside a busy loop (issue 28):
+  benzene cc-pVTZ, naphthalene cc-pVDZ and pyridine cc-pVTZ, each run once as is and once
+  with a child process spinning on one core (started before the example, killed after:
+  the SCF, the out-of-core part and PySCF's DFMP2 all run beside it), rounds interleaved
+  (quiet, busy, quiet, busy, ...; every second round with the reference first). Targets:
+  out of core <= 1.0x PySCF's in-core DFMP2 quiet, <= 1.5x beside the busy loop. The notes
+  say where the time went (integrals + transformation, fitting pass, energy loop) and the
+  BLAS threads the example chose (``blas_threads``: build, energy).
 * ``examples/semi_direct_scf.py``: n-butane C4H10 in cc-pVDZ (106 basis functions, shell
   groups of at most 16 functions: 406 batches), half the batches cached, against PySCF's
   RHF in core and direct on the same molecule (timed by the example). Information: no
@@ -64,7 +72,18 @@ def b_tensor_bytes(atom: str, basis: str) -> int:
     return nocc * (mol.nao_nr() - nocc) * naux * 8
 
 
-def _run_example(name: str, args: list[str], workdir: str) -> dict:
+def _spinner(cpu: int | None):
+    """A child process spinning on one core (pinned to ``cpu`` when given), started now."""
+    code = ("import os, sys\n"
+            "cpu = int(sys.argv[1])\n"
+            "if cpu >= 0 and hasattr(os, 'sched_setaffinity'):\n"
+            "    os.sched_setaffinity(0, {cpu})\n"
+            "while True:\n"
+            "    pass\n")
+    return subprocess.Popen([sys.executable, "-c", code, str(-1 if cpu is None else cpu)])
+
+
+def _run_example(name: str, args: list[str], workdir: str, busy: bool = False) -> dict:
     scratch = os.path.join(workdir, "scratch")
     os.makedirs(scratch, exist_ok=True)
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -72,8 +91,17 @@ def _run_example(name: str, args: list[str], workdir: str) -> dict:
     env.update({"CHEMIO_SCRATCH": scratch, "OMP_NUM_THREADS": str(ncpu),
                 "OPENBLAS_NUM_THREADS": str(ncpu), "MKL_NUM_THREADS": str(ncpu)})
     cmd = [sys.executable, os.path.join(EXAMPLES, f"{name}.py"), *args, "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env,
-                          cwd=workdir)
+    spin = None
+    if busy:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        spin = _spinner(cpus[-1] if cpus else None)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env,
+                              cwd=workdir)
+    finally:
+        if spin is not None:
+            spin.kill()
+            spin.wait()
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -125,6 +153,82 @@ def ri_mp2_rows(quick: bool, workdir: str) -> list[dict]:
     ]
 
 
+def ring(n: int, hetero: dict[int, str] | None = None) -> str:
+    """Planar fused six-rings (``n`` = 1: benzene, 2: naphthalene; C-C 1.40, C-H 1.08
+    Angstrom), with ``hetero`` atoms replacing CH groups by index (``{0: "N"}``: pyridine)."""
+    cc, ch = 1.40, 1.08
+    cx = cc * math.sqrt(3) / 2
+    centers = [0.0] if n == 1 else [-cx, cx]
+    carbons: list[tuple[float, float, int]] = []     # x, y, ring index
+    for r, c in enumerate(centers):
+        for k in range(6):
+            a = math.radians(30 + 60 * k)
+            x, y = c + cc * math.cos(a), cc * math.sin(a)
+            if not any(abs(x - u) < 1e-6 and abs(y - v) < 1e-6 for u, v, _ in carbons):
+                carbons.append((x, y, r))
+    atoms = []
+    for k, (x, y, r) in enumerate(carbons):
+        el = (hetero or {}).get(k, "C")
+        atoms.append(f"{el} {x:.6f} {y:.6f} 0.000000")
+        if n > 1 and abs(x) < 1e-6:                  # the shared bond: no hydrogen
+            continue
+        if el != "C":
+            continue
+        dx, dy = x - centers[r], y
+        norm = math.hypot(dx, dy)
+        atoms.append(f"H {x + ch * dx / norm:.6f} {y + ch * dy / norm:.6f} 0.000000")
+    return "; ".join(atoms)
+
+
+CONTENTION_CASES = [("benzene", ring(1), "cc-pvtz"), ("naphthalene", ring(2), "cc-pvdz"),
+                    ("pyridine", ring(1, {0: "N"}), "cc-pvtz")]
+
+
+def ri_mp2_contention_rows(quick: bool, workdir: str) -> list[dict]:
+    """ri_mp2 --max-memory 3 quiet and beside a one-core busy loop, rounds interleaved."""
+    cases = [("water", WATER, "cc-pvtz")] if quick else CONTENTION_CASES
+    rounds = 1 if quick else 3
+    out = []
+    for label, atom, basis in cases:
+        res: dict[bool, list[dict]] = {False: [], True: []}
+        for k in range(rounds):
+            for busy in (False, True):
+                args = ["--atom", atom, "--basis", basis, "--scf", "df", "--max-memory", "3"]
+                if k % 2:
+                    args.append("--reference-first")
+                r = _run_example("ri_mp2", args, workdir, busy=busy)
+                res[busy].append(r)
+                print(f"bench_examples: ri_mp2 {label} {'busy' if busy else 'quiet'} round "
+                      f"{k + 1}: chemio {r['ooc_seconds']:.2f} s (integrals "
+                      f"{r['integral_seconds']:.2f}, fit {r['fit_seconds']:.2f}, energy "
+                      f"{r['energy_seconds']:.2f}; BLAS threads {r['blas_threads']}), PySCF "
+                      f"{r['reference_seconds']:.2f} s", file=sys.stderr, flush=True)
+        for busy, target in ((False, 1.0), (True, 1.5)):
+            rs = res[busy]
+            ratios = [r["ooc_seconds"] / r["reference_seconds"] for r in rs]
+            r0 = rs[0]
+            what = (f"ri_mp2 {label} {basis} --max-memory 3 "
+                    f"{'beside a one-core busy loop' if busy else 'quiet'} ({r0['nao']} bf, "
+                    f"{r0['naux']} aux, B {r0['tensor_bytes'] / 1e6:.0f} MB)")
+            note = (f"median of {rounds}; per run chemio/PySCF "
+                    + ", ".join(f"{r['ooc_seconds']:.2f}/{r['reference_seconds']:.2f} s"
+                                for r in rs)
+                    + f" (x{_span(ratios)}); integrals {_span([r['integral_seconds'] for r in rs])}"
+                    f" s ({r0['aux_blocks']} aux blocks), fitting "
+                    f"{_span([r['fit_seconds'] for r in rs])} s, energy "
+                    f"{_span([r['energy_seconds'] for r in rs])} s ({r0['passes']} passes, "
+                    f"{r0['block_rows']} rows a block); BLAS threads "
+                    + " ".join(f"{r['blas_threads']}" for r in rs)
+                    + f"; max |dE| {max(r['abs_error'] for r in rs):.1e} Eh")
+            out.append(row(f"{what}: out-of-core B + energy", "s",
+                           statistics.median(r["ooc_seconds"] for r in rs),
+                           "PySCF DFMP2 in core, same conditions",
+                           statistics.median(r["reference_seconds"] for r in rs),
+                           target=None if quick else target, lower_is_better=True,
+                           note=note if not quick else note + " (quick: no target)"))
+    return out
+
+
 def semi_direct_rows(quick: bool, workdir: str) -> list[dict]:
     if quick:
         atom, label, runs = WATER, "H2O", 1
@@ -160,7 +264,11 @@ def run(quick: bool, workdir: str) -> list[dict]:
     except ImportError as e:
         return [row("examples", "available", 0.0,
                     note=f"skipped: PySCF is not installed ({e}); pip install pyscf")]
-    return ri_mp2_rows(quick, workdir) + semi_direct_rows(quick, workdir)
+    cases = {"ri_mp2": ri_mp2_rows, "contention": ri_mp2_contention_rows,
+             "semi_direct": semi_direct_rows}
+    only = os.environ.get("BENCH_EXAMPLES_ONLY")        # e.g. "contention"
+    return [r for name, fn in cases.items() if not only or name in only.split(",")
+            for r in fn(quick, workdir)]
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ if TYPE_CHECKING:      # type checkers see the function, the documented call
 else:                  # the module, which calling calls prefetch()
     from chemio_py import prefetch  # noqa: E402
 from chemio_py.prefetch import WriteBehind  # noqa: E402
+from chemio_py.runtime.blas import blas_threads_beside_io  # noqa: E402
 from chemio_py.runtime.comm import comm  # noqa: E402
 from chemio_py.runtime.config import configure, settings  # noqa: E402
 from chemio_py.runtime.requests import Request, completed, waitall, waitany  # noqa: E402
@@ -62,7 +63,8 @@ __all__ = [
     "prefetch", "WriteBehind", "RecordFile",
     "SharedFile", "sync",
     "ExclusiveFile", "Request", "completed", "waitall", "waitany", "configure", "settings",
-    "comm", "stat", "FsInfo", "cleanup", "report", "ls", "aligned_empty", "errors",
+    "comm", "blas_threads_beside_io", "stat", "FsInfo", "cleanup", "report", "ls",
+    "aligned_empty", "errors",
     "ChemIOError", "OutOfSpaceError", "EndOfFileError", "SectionError", "ModeError",
     "LimitExceededError", "MetadataError", "BackendUnavailableError", "SupersededError",
     "UnobservedIOError", "ChecksumError", "__version__",

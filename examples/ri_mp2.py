@@ -20,6 +20,13 @@
    that B need not fit in memory; the script reports how many passes over B that took.
    ``--dask`` computes the same energy again through ``B.to_dask()``.
 
+Both out-of-core steps run with the BLAS and OpenMP threads limited to the cores other
+processes leave free, less the share the I/O threads keep busy
+(``cio.blas_threads_beside_io``, measured from ``/proc/stat`` over the preceding step): on
+a node where another process holds a core, threads that spin against it and against the
+read-ahead cost far more than they bring (``--blas-threads`` sets the count, ``all`` keeps
+the library's own). PySCF's reference runs with its own settings.
+
     python examples/ri_mp2.py --basis cc-pvdz --max-memory 0.2 --dask
     python examples/ri_mp2.py --atom molecule.xyz --scf df --max-memory 10
 
@@ -30,6 +37,7 @@ PySCF's (``reference_seconds``). ``main(argv)`` is also what ``chemio demo`` run
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -42,6 +50,7 @@ import _common  # noqa: E402
 import chemio_py as cio  # noqa: E402
 
 TOLERANCE = 1e-9
+IO_SHARE = 0.25      # cores the read-ahead/write-behind threads keep busy (page-cache copies)
 # What ``chemio demo`` runs: water, cc-pVTZ, B out of core (blocks of one occupied row
 # under a 0.5 MB cap: five passes), two blocks read ahead, then the I/O report.
 DEMO_ARGV = ["--atom", _common.WATER, "--basis", "cc-pvtz", "--max-memory", "0.5",
@@ -58,14 +67,14 @@ def block_rows(nocc: int, nvir: int, naux: int, max_memory_mb: float | None, dep
     """Occupied rows per block so that the energy loop's buffers fit in ``max_memory``.
 
     Buffers: (depth + 1) i-blocks and (depth + 1) j-blocks of b*nvir*naux doubles, the
-    b*nvir*b*nvir product and three nvir*nvir work arrays. Without a budget: all rows in
-    one block. At least one row.
+    nvir*b*nvir product of one occupied row with a j-block and three nvir*nvir work
+    arrays. Without a budget: all rows in one block. At least one row.
     """
     if max_memory_mb is None:
         return nocc
     budget = max_memory_mb * 1e6
     for b in range(nocc, 0, -1):
-        need = 8 * (2 * (depth + 1) * b * nvir * naux + (b * nvir) ** 2 + 3 * nvir * nvir)
+        need = 8 * (2 * (depth + 1) * b * nvir * naux + b * nvir * nvir + 3 * nvir * nvir)
         if need <= budget:
             return b
     return 1
@@ -75,20 +84,25 @@ def pair_energy(bi: np.ndarray, bj: np.ndarray, eo_i: np.ndarray, eo_j: np.ndarr
                 ev: np.ndarray, diagonal: bool = False, work: list | None = None) -> float:
     """sum over i in bi, j in bj of (ia|jb)[2(ia|jb) - (ib|ja)] / (e_i + e_j - e_a - e_b).
 
-    One BLAS product (ia|jb) for the two blocks, then every (i, j) pair on an nvir x nvir
-    tile that stays in cache. ``diagonal``: bi and bj are the same block; only the pairs
-    j >= i are evaluated (j > i counted twice, as (i,j) and (j,i) are equal).
+    Per occupied row i, one BLAS product (ia|jb) = B[i] B[j0:]^T of shape (nvir, naux) x
+    (naux, nj*nvir): the inner dimension is the auxiliary basis and the product holds one
+    row's nvir*nj*nvir (not the block's (ni*nvir)^2, which falls out of cache as blocks
+    grow), then every (i, j) pair on an nvir x nvir tile. ``diagonal``: bi and bj are the
+    same block; only the pairs j >= i are formed (j > i counted twice, as (i,j) and (j,i)
+    are equal).
     """
     ni, nv, naux = bi.shape
     nj = bj.shape[0]
-    g = (bi.reshape(ni * nv, naux) @ bj.reshape(nj * nv, naux).T).reshape(ni, nv, nj, nv)
+    bjm = bj.reshape(nj * nv, naux)
     if work is None:
         work = [np.add.outer(ev, ev), np.empty((nv, nv)), np.empty((nv, nv))]
     evv, t, w = work
     e = 0.0
     for i in range(ni):
-        for j in range(i if diagonal else 0, nj):
-            gij = g[i, :, j, :]
+        j0 = i if diagonal else 0
+        g = (bi[i] @ bjm[j0 * nv:].T).reshape(nv, nj - j0, nv)
+        for j in range(j0, nj):
+            gij = g[:, j - j0, :]
             np.subtract(eo_i[i] + eo_j[j], evv, out=t)     # the denominator
             np.divide(gij, t, out=t)                        # t = (ia|jb) / D
             np.multiply(gij, 2.0, out=w)
@@ -139,18 +153,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-first", action="store_true",
                    help="run PySCF's reference before the out-of-core part (for A/B timing "
                         "in both orders)")
+    p.add_argument("--blas-threads", default="auto", metavar="N|auto|all",
+                   help="BLAS/OpenMP threads of the out-of-core part: auto (the free cores "
+                        "less the I/O share, measured), a number, or all (not limited)")
     p.add_argument("--report", action="store_true",
                    help="print the chemio I/O report (cio.report()) before the JSON line")
     args = p.parse_args(argv)
     if args.scf_auxbasis is not None and args.scf != "df":
         p.error("--scf-auxbasis needs --scf df")
+    if args.blas_threads not in ("auto", "all") and not (
+            args.blas_threads.isdigit() and int(args.blas_threads) >= 1):
+        p.error(f"--blas-threads must be auto, all or a number >= 1, got {args.blas_threads!r}")
     DiskArray, block_section = _api()
+    from chemio_py.runtime.blas import CpuSample
+    since_scf = CpuSample()              # the load of other processes, measured over the SCF
     run = _common.Run("ri_mp2", args)
     comm = run.comm
     mol = _common.make_mol(args)
 
     import scipy.linalg
-    from pyscf import df, scf
+    from pyscf import df, gto, scf
     from pyscf.ao2mo import _ao2mo
     from pyscf.df.incore import aux_e2, fill_2c2e
 
@@ -201,100 +223,117 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference_first:
         ref = _common.energy_reference(run, reference)
 
+    def threads_beside_io(since):
+        """The thread limit of one out-of-core step (a no-op with --blas-threads all)."""
+        if args.blas_threads == "all":
+            return contextlib.nullcontext(None)
+        fixed = None if args.blas_threads == "auto" else int(args.blas_threads)
+        return cio.blas_threads_beside_io(IO_SHARE, threads=fixed, since=since)
+
     # ------------------------------------------------------------ 1. B[i,a,P] on disk
-    t0 = time.perf_counter()
-    # one chunk = one block of the energy loop: each block read is one contiguous request
-    B = DiskArray.create("ri_mp2.B", (nocc, nvir, naux), "f8", chunks=(rows, nvir, naux))
-    mine = block_section(B.shape, comm, axis=0, chunks=B.chunks)
-    i0, i1 = mine[0].start, mine[0].stop
-    ni = i1 - i0
-    # the same on every rank (write_all is collective): size blocks for the largest share
-    share = max(1, int(comm.allreduce(ni, "max")))
-    npair = nao * (nao + 1) // 2
-    if args.aux_block:
-        aux_per_block = args.aux_block
-    elif args.max_memory is not None:
-        # per auxiliary function: (mu>=nu|P) and (P|ia)
-        aux_per_block = int(args.max_memory * 1e6 / (8 * (npair + share * nvir)))
-    else:
-        aux_per_block = naux
-    blocks = shell_blocks(auxmol, max(1, aux_per_block))
-    widest = max(int(auxmol.ao_loc_nr()[k1] - auxmol.ao_loc_nr()[k0]) for k0, k1 in blocks)
-    aux_loc = auxmol.ao_loc_nr()
-    # (ia|P) unfitted, auxiliary index first: every auxiliary block is one contiguous write
-    L = DiskArray.create("ri_mp2.L", (naux, nocc, nvir), "f8",
-                         request_shape=(widest, None, None))
-    mo = np.asarray(mo_coeff, order="F")
-    for k0, k1 in run.progress(blocks, "3-index integrals", unit="block"):  # all ranks
-        p0, p1 = int(aux_loc[k0]), int(aux_loc[k1])
-        j3c = aux_e2(mol, auxmol, "int3c2e", aosym="s2ij",
-                     shls_slice=(0, mol.nbas, 0, mol.nbas, k0, k1))      # (mu>=nu, P)
-        # PySCF's own transformation from the packed triangle (as its DFMP2 does)
-        if ni:
-            pia = _ao2mo.nr_e2(np.asarray(j3c.T, order="C"), mo, (i0, i1, nocc, nocc + nvir),
-                               aosym="s2").reshape(p1 - p0, ni, nvir)   # (P|ia)
-        else:                                  # more ranks than occupied rows
-            pia = np.empty((p1 - p0, 0, nvir))
-        del j3c
-        L.write_all((slice(p0, p1), slice(i0, i1), slice(0, nvir)), pia)
-        del pia
-    j2c = fill_2c2e(mol, auxmol)
-    try:
-        low = scipy.linalg.cholesky(j2c, lower=True)
-        fit = lambda x: scipy.linalg.solve_triangular(  # noqa: E731
-            low, x, lower=True, check_finite=False)
-    except scipy.linalg.LinAlgError:                    # as PySCF: drop the null space
-        w, u = np.linalg.eigh(j2c)
-        keep = w > 1e-7
-        m2c = (u[:, keep] / np.sqrt(w[keep])) @ u[:, keep].T
-        fit = lambda x: m2c @ x                          # noqa: E731
-    nfit = 0
-    with cio.WriteBehind(depth=args.depth, name="ri_mp2 fit write") as wb:
-        for sec, blk in L.iter_blocks(axis=1, size=rows, start=i0, stop=i1,
-                                      depth=args.depth, name="ri_mp2 fit read"):
-            lo, hi = sec[1].start, sec[1].stop
-            y = fit(blk.reshape(naux, -1))                            # (Q|ia), fitted
-            out = np.ascontiguousarray(y.T).reshape(hi - lo, nvir, naux)  # new per block
-            wb.submit(B.awrite, (slice(lo, hi), slice(0, nvir), slice(0, naux)), out)
-            nfit += 1
-    L.close()                                  # scratch: gone
-    if comm.size > 1:                          # other ranks read these rows (MPI-IO: sync)
-        B.flush()
-    comm.barrier()                             # every rank's rows are written
-    t_build = time.perf_counter() - t0
+    since_build = CpuSample()
+    with threads_beside_io(since_scf) as nthreads:
+        t0 = time.perf_counter()
+        # one chunk = one block of the energy loop: each block read is one contiguous request
+        B = DiskArray.create("ri_mp2.B", (nocc, nvir, naux), "f8", chunks=(rows, nvir, naux))
+        mine = block_section(B.shape, comm, axis=0, chunks=B.chunks)
+        i0, i1 = mine[0].start, mine[0].stop
+        ni = i1 - i0
+        # the same on every rank (write_all is collective): size blocks for the largest share
+        share = max(1, int(comm.allreduce(ni, "max")))
+        npair = nao * (nao + 1) // 2
+        if args.aux_block:
+            aux_per_block = args.aux_block
+        elif args.max_memory is not None:
+            # per auxiliary function: (mu>=nu|P) and (P|ia)
+            aux_per_block = int(args.max_memory * 1e6 / (8 * (npair + share * nvir)))
+        else:
+            aux_per_block = naux
+        blocks = shell_blocks(auxmol, max(1, aux_per_block))
+        widest = max(int(auxmol.ao_loc_nr()[k1] - auxmol.ao_loc_nr()[k0]) for k0, k1 in blocks)
+        aux_loc = auxmol.ao_loc_nr()
+        # (ia|P) unfitted, auxiliary index first: every auxiliary block is one contiguous write
+        L = DiskArray.create("ri_mp2.L", (naux, nocc, nvir), "f8",
+                             request_shape=(widest, None, None))
+        mo = np.asarray(mo_coeff, order="F")
+        # the shell-pair data of the integrals, once (aux_e2 would make it for every block)
+        cintopt = gto.moleintor.make_cintopt(
+            *gto.mole.conc_env(mol._atm, mol._bas, mol._env, auxmol._atm, auxmol._bas,
+                               auxmol._env), mol._add_suffix("int3c2e"))
+        for k0, k1 in run.progress(blocks, "3-index integrals", unit="block"):  # all ranks
+            p0, p1 = int(aux_loc[k0]), int(aux_loc[k1])
+            j3c = aux_e2(mol, auxmol, "int3c2e", aosym="s2ij",
+                         shls_slice=(0, mol.nbas, 0, mol.nbas, k0, k1),      # (mu>=nu, P)
+                         cintopt=cintopt)
+            # PySCF's own transformation from the packed triangle (as its DFMP2 does)
+            if ni:
+                pia = _ao2mo.nr_e2(np.asarray(j3c.T, order="C"), mo,
+                                   (i0, i1, nocc, nocc + nvir),
+                                   aosym="s2").reshape(p1 - p0, ni, nvir)   # (P|ia)
+            else:                                  # more ranks than occupied rows
+                pia = np.empty((p1 - p0, 0, nvir))
+            del j3c
+            L.write_all((slice(p0, p1), slice(i0, i1), slice(0, nvir)), pia)
+            del pia
+        t_int = time.perf_counter() - t0
+        j2c = fill_2c2e(mol, auxmol)
+        try:
+            low = scipy.linalg.cholesky(j2c, lower=True)
+            fit = lambda x: scipy.linalg.solve_triangular(  # noqa: E731
+                low, x, lower=True, check_finite=False)
+        except scipy.linalg.LinAlgError:                    # as PySCF: drop the null space
+            w, u = np.linalg.eigh(j2c)
+            keep = w > 1e-7
+            m2c = (u[:, keep] / np.sqrt(w[keep])) @ u[:, keep].T
+            fit = lambda x: m2c @ x                          # noqa: E731
+        nfit = 0
+        with cio.WriteBehind(depth=args.depth, name="ri_mp2 fit write") as wb:
+            for sec, blk in L.iter_blocks(axis=1, size=rows, start=i0, stop=i1,
+                                          depth=args.depth, name="ri_mp2 fit read"):
+                lo, hi = sec[1].start, sec[1].stop
+                y = fit(blk.reshape(naux, -1))                            # (Q|ia), fitted
+                out = np.ascontiguousarray(y.T).reshape(hi - lo, nvir, naux)  # new per block
+                wb.submit(B.awrite, (slice(lo, hi), slice(0, nvir), slice(0, naux)), out)
+                nfit += 1
+        L.close()                                  # scratch: gone
+        if comm.size > 1:                          # other ranks read these rows (MPI-IO: sync)
+            B.flush()
+        comm.barrier()                             # every rank's rows are written
+        t_build = time.perf_counter() - t0
     run.log(f"B written in {t_build:.2f} s: {len(blocks)} auxiliary blocks, rows "
             f"{i0}:{i1} here, {nfit} fitting blocks", all_ranks=True)
 
     # ------------------------------------------------------------ 2. the energy loop
-    t0 = time.perf_counter()
-    read_before = B.stats.bytes_read
-    nblk = math.ceil(nocc / rows)
-    loop = _common.SharedLoop(comm)
-    e_local = 0.0
-    passes = 0
-    work = [np.add.outer(ev, ev), np.empty((nvir, nvir)), np.empty((nvir, nvir))]
+    with threads_beside_io(since_build) as nthreads_energy:
+        t0 = time.perf_counter()
+        read_before = B.stats.bytes_read
+        nblk = math.ceil(nocc / rows)
+        loop = _common.SharedLoop(comm)
+        e_local = 0.0
+        passes = 0
+        work = [np.add.outer(ev, ev), np.empty((nvir, nvir)), np.empty((nvir, nvir))]
 
-    def read_iblock(ib, buf):
-        lo, hi = ib * rows, min((ib + 1) * rows, nocc)
-        return B.aread((slice(lo, hi), slice(0, nvir), slice(0, naux)),
-                       buf[:hi - lo])
+        def read_iblock(ib, buf):
+            lo, hi = ib * rows, min((ib + 1) * rows, nocc)
+            return B.aread((slice(lo, hi), slice(0, nvir), slice(0, naux)),
+                           buf[:hi - lo])
 
-    make = lambda: np.empty((rows, nvir, naux))  # noqa: E731
-    iblocks = cio.prefetch(read_iblock, loop.tasks(nblk), make, depth=args.depth,
-                           name="ri_mp2 i-blocks")
-    for ib, bi in run.progress(iblocks, "i-blocks", total=nblk if comm.size == 1 else None,
-                               unit="block"):
-        lo, hi = ib * rows, min((ib + 1) * rows, nocc)
-        passes += 1
-        for sec, bj in B.iter_blocks(size=rows, start=lo, depth=args.depth,
-                                     name="ri_mp2 j-blocks"):
-            jlo, jhi = sec[0].start, sec[0].stop
-            e_local += pair_energy(bi, bj, eo[lo:hi], eo[jlo:jhi], ev,
-                                   diagonal=jlo == lo, work=work)
-    e_corr = float(comm.allreduce(e_local, "sum"))
-    passes = int(comm.allreduce(passes, "sum"))
-    loop.free()
-    t_energy = time.perf_counter() - t0
+        make = lambda: np.empty((rows, nvir, naux))  # noqa: E731
+        iblocks = cio.prefetch(read_iblock, loop.tasks(nblk), make, depth=args.depth,
+                               name="ri_mp2 i-blocks")
+        for ib, bi in run.progress(iblocks, "i-blocks", total=nblk if comm.size == 1 else None,
+                                   unit="block"):
+            lo, hi = ib * rows, min((ib + 1) * rows, nocc)
+            passes += 1
+            for sec, bj in B.iter_blocks(size=rows, start=lo, depth=args.depth,
+                                         name="ri_mp2 j-blocks"):
+                jlo, jhi = sec[0].start, sec[0].stop
+                e_local += pair_energy(bi, bj, eo[lo:hi], eo[jlo:jhi], ev,
+                                       diagonal=jlo == lo, work=work)
+        e_corr = float(comm.allreduce(e_local, "sum"))
+        passes = int(comm.allreduce(passes, "sum"))
+        loop.free()
+        t_energy = time.perf_counter() - t0
     read_tensors = sum(comm.allgather(B.stats.bytes_read - read_before)) / max(tensor, 1)
     run.log(f"E(RI-MP2 corr) = {e_corr:.12f} from {nblk} i-block(s) of {rows} rows: "
             f"{passes} pass(es) over B ({read_tensors:.2f}x its size read) in {t_energy:.2f} s")
@@ -335,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                       tensor_bytes=tensor, tensor_reads=round(read_tensors, 3),
                       dask_energy=e_dask, scf_seconds=round(t_scf, 3),
                       build_seconds=round(t_build, 3), energy_seconds=round(t_energy, 3),
+                      integral_seconds=round(t_int, 3), fit_seconds=round(t_build - t_int, 3),
+                      blas_threads=[nthreads, nthreads_energy],
                       ooc_seconds=round(t_ooc, 3), reference_seconds=round(t_pyscf, 3))
 
 
