@@ -1,6 +1,7 @@
 """DiskArrays on a real ``dask.distributed`` cluster of worker *processes*.
 
-One ``LocalCluster(n_workers=4, processes=True, threads_per_worker=1)`` serves the module.
+One ``LocalCluster(n_workers=2, processes=True, threads_per_worker=1)`` serves the module
+(two worker processes, as many as CI's cores: each costs a nanny and an interpreter).
 The graphs carry the arrays pickled (``chemio_py.arrays.pickling``): every worker process
 reopens them by path. ``to_dask`` reductions and blockwise maps, and ``from_dask`` writing
 a dask computation into a DiskArray from the workers, are checked against NumPy on
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import chemio_py as cio
-from conftest import usable_backends
+from conftest import library_bytecode, usable_backends
 import chemio_py.backends as backends
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,13 @@ def client():
     psutil = pytest.importorskip("psutil")
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    cluster = distributed.LocalCluster(n_workers=4, processes=True, threads_per_worker=1,
-                                       dashboard_address=None, silence_logs=40)
+    with library_bytecode():
+        cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
+                                           dashboard_address=None, silence_logs=40)
     c = distributed.Client(cluster)
     try:
         pids = list(c.run(os.getpid).values())
-        assert len(set(pids)) == 4 and os.getpid() not in pids
+        assert len(set(pids)) == 2 and os.getpid() not in pids
         yield c
     finally:
         c.close()
