@@ -316,7 +316,11 @@ def run_mpi(n: int, body: str, *, tmp_path, timeout: float = 180, env: dict | No
     ``plain``, as most users launch: then only chemio_py keeps a failing rank from hanging
     the others)."""
     script = tmp_path / f"mpi_body_{n}.py"
-    script.write_text(textwrap.dedent(body))
+    # a rank still running shortly before the timeout prints every thread's stack and
+    # exits, so a hang fails with where it hung instead of a bare kill at the timeout
+    watchdog = ("import faulthandler as _fh\n"
+                f"_fh.dump_traceback_later({max(5.0, timeout - 10)}, exit=True)\n")
+    script.write_text(watchdog + textwrap.dedent(body))
     full_env = dict(os.environ)
     full_env.update(env or {})
     runner = [sys.executable] if plain else [sys.executable, "-m", "mpi4py"]
