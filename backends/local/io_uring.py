@@ -776,19 +776,21 @@ def engine() -> Engine | None:
 
 def native_engine() -> Any:
     """The engine of the local backend's aligned O_DIRECT requests: the ``aio_engine``
-    setting's choice; by default ('auto') io_uring, else Linux AIO, else None (the I/O
-    threads). A forced engine the kernel does not offer gives None. ``CHEMIO_NO_AIO=1``
-    still means 'threads'."""
+    setting's choice; by default ('auto') Linux AIO, else io_uring, else None (the I/O
+    threads). 'auto' prefers AIO because io_uring measured no faster here (4 KiB GAMESS
+    mixes 0.85-1.05x AIO, 8 MiB 0.99x, quiet machine, interleaved) and AIO has the longer
+    record; ``aio_engine='io_uring'`` chooses it. A forced engine the kernel does not
+    offer gives None. ``CHEMIO_NO_AIO=1`` still means 'threads'."""
     if _chosen:
         return _chosen[0]
     want = config.get("aio_engine")
     if os.environ.get("CHEMIO_NO_AIO") == "1":
         want = "threads"
     eng: Any = None
-    if want in ("auto", "io_uring"):
-        eng = engine()
-    if eng is None and want in ("auto", "aio"):
+    if want in ("auto", "aio"):
         eng = linux_aio.engine()
+    if eng is None and want in ("auto", "io_uring"):
+        eng = engine()
     _chosen[:] = [eng]
     return eng
 

@@ -516,7 +516,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
          "handler that was there before or end as SIGTERM would"),
     Spec("aio_engine", "CHEMIO_AIO_ENGINE", lambda: "auto", _parse_aio_engine,
          "kernel interface of the local backend's aligned O_DIRECT requests: 'auto' "
-         "(io_uring, else Linux AIO, else the I/O threads), 'io_uring', 'aio' or 'threads'"),
+         "(Linux AIO, else io_uring, else the I/O threads), 'io_uring', 'aio' or 'threads'"),
     Spec("direct", "CHEMIO_DIRECT", lambda: "auto", _parse_direct,
          "O_DIRECT on the local backend: 'auto' (read-ahead picks it for cold aligned "
          "big blocks), true (aligned requests always), false (never)"),
