@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(REPO,
 from bench_collective import old_contested_objects, old_first_pair  # noqa: E402 - the models
 from common import peak_mib  # noqa: E402
 
-PROPERTY = settings(max_examples=150, deadline=None,
+PROPERTY = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

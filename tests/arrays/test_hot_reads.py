@@ -299,7 +299,7 @@ def _merge(spans, hole):
     return [tuple(x) for x in out]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_grids(), st.sampled_from([1, 64, 4096]), st.sampled_from([0, 3]))
 def test_spans_of_blocks_match_brute_force(case, unit, hole):
     shape, chunks, region, isz = case
@@ -322,7 +322,7 @@ def test_spans_of_blocks_match_brute_force(case, unit, hole):
     assert seen == {p.start for p in lay.pieces(region)}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_grids(), st.sampled_from(["c", "strided", "fortran"]), st.booleans())
 def test_copy_blocks_match_numpy(case, kind, write):
     shape, chunks, region, isz = case

@@ -16,7 +16,7 @@ import chemio_py as cio
 from chemio_py.arrays import indexing
 from chemio_py.errors import ArgumentError, ModeError, SectionError
 
-SETTINGS = settings(max_examples=25, deadline=None,
+SETTINGS = settings(max_examples=15, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 
