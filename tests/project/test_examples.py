@@ -121,6 +121,9 @@ def test_semi_direct_scf_mpi(tmp_path):
 
 # ---------------------------------------------------------------------- RI-MP2
 
+# the whole example on a disk store and a RAM store; every store's byte semantics are the
+# conformance suite's (tests/backends), so the example need not run on each of them
+@pytest.mark.parametrize("store", ["local", "shm"])
 def test_ri_mp2_out_of_core_with_dask(store, tmp_path):
     r = run_example("ri_mp2", ["--basis", "cc-pvdz", "--max-memory", "0.1", "--dask",
                                "--backend", store, "--quiet"], tmp_path)
