@@ -79,7 +79,6 @@ ALIGN = 4096               # a short transfer is continued when it ends on this 
 WAITER_WAIT_NS = 20_000_000
 GRACE = 0.001
 IDLE_SLEEP = 0.02          # the reaper's look at an idle ring (requests nobody waits for)
-TOKEN_POLL = 0.0002
 _TRACK = "chemio-aio"      # the trace track of kernel-async I/O, whichever engine moves it
 _M32 = 0xFFFF_FFFF
 
@@ -170,7 +169,7 @@ class _Req(requests.NativeRequest):
         return (int(self._addrs[i]), s if type(s) is int else int(s[i]), int(self._offs[i]))
 
 
-class Engine:
+class Engine(linux_aio.TokenReaper):
     """One io_uring of this process: a submission lock, a reaping token, a reaper thread.
 
     Each SQE belongs to one transfer slot for good (its user_data is the slot): ``BLOCKS``
@@ -662,21 +661,7 @@ class Engine:
         """Reap in this thread until ``req`` is complete (or ``deadline`` passes)."""
         if self._pid != os.getpid():    # a forked child: the parent's ring is not ours
             return req.settle(None if deadline is None else deadline - time.perf_counter())
-        waiting = self._waiting
-        try:
-            waiting.append(None)
-            while not req.done():
-                n = requests.shielded(self._wait_step, req, deadline)
-                if n is None:
-                    req.settle(TOKEN_POLL)
-                elif n < 0 and n != -errno.EINTR:
-                    break
-                if deadline is not None and time.perf_counter() >= deadline:
-                    return req.done()
-        finally:
-            waiting.pop()
-            self._last_wait = time.perf_counter()
-        return req.settle(None if deadline is None else deadline - time.perf_counter())
+        return super()._wait(req, deadline)
 
     def _wait_step(self, req: _Req, deadline: float | None) -> int | None:
         if not self._token.acquire(False):

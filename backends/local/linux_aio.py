@@ -106,7 +106,39 @@ class _Req(requests.NativeRequest):
         return self._eng._wait(self, deadline)
 
 
-class Engine:
+class TokenReaper:
+    """The wait of an engine whose waiters reap for themselves: one thread at a time holds
+    ``_token`` and collects completions (``_wait_step``: a count, -errno, or None when
+    another thread holds it); the others poll until their request is settled. The engine
+    keeps ``_waiting`` (one entry per waiting thread) and ``_last_wait``."""
+
+    _waiting: list
+    _last_wait: float
+
+    def _wait_step(self, req: Any, deadline: float | None) -> int | None:
+        raise NotImplementedError
+
+    def _wait(self, req: Any, deadline: float | None) -> bool:
+        """Reap in this thread until ``req`` is complete (or ``deadline`` passes)."""
+        waiting = self._waiting
+        try:
+            waiting.append(None)            # list append/pop: atomic, no lock needed
+            while not req.done():
+                n = requests.shielded(self._wait_step, req, deadline)
+                if n is None:               # another thread reaps: for us too, or it stops
+                    req.settle(TOKEN_POLL)
+                elif n < 0 and n != -errno.EINTR:
+                    break                   # no context here (a forked child): plain wait
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return req.done()
+        finally:
+            waiting.pop()
+            self._last_wait = time.perf_counter()
+        # another thread reaps (or no context here)
+        return req.settle(None if deadline is None else deadline - time.perf_counter())
+
+
+class Engine(TokenReaper):
     """One AIO context, its reaping token and its reaper thread; thread-safe submission.
 
     ``QUEUE_DEPTH`` control blocks for single requests and ``BLOCKS`` blocks of ``BLOCK``
@@ -344,25 +376,6 @@ class Engine:
             self._deliver(self._event_rows[:n].tolist(), time.perf_counter())
             return n
         return -ctypes.get_errno() if n < 0 else 0
-
-    def _wait(self, req: _Req, deadline: float | None) -> bool:
-        """Reap in this thread until ``req`` is complete (or ``deadline`` passes)."""
-        waiting = self._waiting
-        try:
-            waiting.append(None)            # list append/pop: atomic, no lock needed
-            while not req.done():
-                n = requests.shielded(self._wait_step, req, deadline)
-                if n is None:               # another thread reaps: for us too, or it stops
-                    req.settle(TOKEN_POLL)
-                elif n < 0 and n != -errno.EINTR:
-                    break                   # no context here (a forked child): plain wait
-                if deadline is not None and time.perf_counter() >= deadline:
-                    return req.done()
-        finally:
-            waiting.pop()
-            self._last_wait = time.perf_counter()
-        # another thread reaps (or no context here)
-        return req.settle(None if deadline is None else deadline - time.perf_counter())
 
     def _wait_step(self, req: _Req, deadline: float | None) -> int | None:
         """Reap once if no other thread does (else None)."""
