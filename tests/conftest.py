@@ -330,8 +330,21 @@ def run_mpi(n: int, body: str, *, tmp_path, timeout: float = 180, env: dict | No
     segments_before = _mpich_segments()
     ended = False
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=full_env, cwd=str(tmp_path))
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=full_env, cwd=str(tmp_path), start_new_session=True) as job:
+            try:
+                out, err = job.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # still running: where every process of the job is, also outside Python
+                # (MPI_Init, MPI_Finalize, hydra), where the watchdog cannot see; then the
+                # whole job goes (its own session), not mpiexec alone
+                stacks = job_stacks(job.pid)
+                _kill_session(job)
+                out, err = job.communicate()
+                pytest.fail(f"mpiexec -n {n} still running after {timeout} s: killed\n"
+                            f"--- stdout\n{out}\n--- stderr\n{err}\n--- native stacks\n"
+                            f"{stacks}")
+        proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
         ended = proc.returncode == 0
     finally:
         if not ended:                   # an aborted job's ranks were SIGKILLed by hydra
@@ -340,6 +353,62 @@ def run_mpi(n: int, body: str, *, tmp_path, timeout: float = 180, env: dict | No
         pytest.fail(f"mpiexec -n {n} failed ({proc.returncode})\n--- stdout\n{proc.stdout}"
                     f"\n--- stderr\n{proc.stderr}")
     return proc
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(sorted(children.get(p, [])))
+    return out
+
+
+def job_stacks(pid: int, per_process: float = 20.0) -> str:
+    """What every process of the job under ``pid`` is doing: command, state, kernel wait
+    channel, and (with gdb) every thread's native stack. For a hang report."""
+    gdb = shutil.which("gdb")
+    parts = []
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                argv = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{p}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{p}/wchan") as fh:
+                wchan = fh.read().strip()
+        except OSError:
+            continue
+        parts.append(f"pid {p} [{state}, wchan {wchan or '-'}] {argv[:200]}")
+        if gdb and "python" in argv:
+            try:
+                bt = subprocess.run([gdb, "-p", str(p), "-batch", "-nx",
+                                     "-ex", "thread apply all bt 30"], capture_output=True,
+                                    text=True, timeout=per_process).stdout
+            except subprocess.TimeoutExpired:
+                bt = "(gdb timed out)"
+            parts.append("\n".join(ln for ln in bt.splitlines()
+                                   if ln.startswith(("#", "Thread"))))
+    return "\n".join(parts) or "(no process left)"
+
+
+def _kill_session(job: subprocess.Popen) -> None:
+    """SIGKILL every process of ``job``'s session (mpiexec, its proxies and the ranks)."""
+    import signal
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except OSError:
+        job.kill()
 
 
 def _mpich_segments() -> set[str]:

@@ -59,7 +59,7 @@ from chemio_py.backends.shm.budget import (
     ram_budget,
     shm_dir,
 )
-from chemio_py.backends.shm.lock import Gate, flock_fd, ofd_lock
+from chemio_py.backends.shm.lock import Gate, flock_fd, ofd_lock, ofd_lock_wait
 from chemio_py.backends.shm.mapping import Window, libc_calls, map_window, round_up
 from chemio_py.errors import ChemIOError, NodeSpanError, StorageError, fmt_bytes
 from chemio_py.scratch import fs, jobs
@@ -575,7 +575,7 @@ def open_segment(path: str, mode: str, perms: int = 0o600) -> tuple[int, bool]:
         created = mode == "x+"
     try:
         require_regular(fd, path)
-        ofd_lock(fd, fcntl.F_RDLCK, wait=True)
+        ofd_lock_wait(fd, fcntl.F_RDLCK, path)     # bounded: a stuck holder is an error
         if mode == "w+" and not created:
             flock_fd(fd, fcntl.LOCK_EX)
             try:

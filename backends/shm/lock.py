@@ -7,7 +7,7 @@
   ``DRAIN_GAP`` without it).
 * ``flock_fd``: ``flock`` with a deadline (``LOCK_WAIT``) instead of an endless wait.
 * ``ofd_lock``: open-file-description locks on byte 0, the presence lock of every open
-  (``lock_sole`` of a store upgrades it).
+  (``lock_sole`` of a store upgrades it); ``ofd_lock_wait`` waits for one with a deadline.
 """
 from __future__ import annotations
 
@@ -214,3 +214,22 @@ def ofd_lock(fd: int, kind: int, wait: bool) -> bool:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return False
         raise
+
+
+def ofd_lock_wait(fd: int, kind: int, path: str, timeout: float | None = None) -> None:
+    """``ofd_lock(fd, kind)``, waiting at most ``timeout`` seconds for another open that
+    holds the segment alone (``lock_sole``: ``auto`` moving it to disk) instead of for
+    ever (None: ``LOCK_WAIT``); then a ``ChemIOError`` (the caller undoes its open)."""
+    if ofd_lock(fd, kind, wait=False):
+        return
+    timeout = LOCK_WAIT if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not ofd_lock(fd, kind, wait=False):
+        if time.monotonic() > deadline:
+            raise ChemIOError(
+                f"shm segment {path!r} has been held alone by another open (a file of "
+                f"backend 'auto' moving to disk) for more than {timeout:.0f} s; it may be "
+                f"stuck: check the job's other processes. Nothing was opened")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)

@@ -670,3 +670,37 @@ def test_clean_removes_the_segment_of_a_sigkilled_process(how, tmp_path):
         assert f"removing     {job}" in p.stdout
     assert not os.path.exists(job)
     assert os.path.isdir(mine)
+
+
+def test_an_open_waits_for_a_sole_holder_with_a_deadline(monkeypatch):
+    """An open of a segment that another open holds alone (``lock_sole``: auto moving it to
+    disk) waits ``LOCK_WAIT`` at most, then fails clearly with nothing left open (it used to
+    wait in the kernel for ever); once the holder lets go it opens."""
+    import fcntl
+    from chemio_py.backends.shm import lock as lock_mod
+    monkeypatch.setattr(lock_mod, "LOCK_WAIT", 0.2)
+    d = tempfile.mkdtemp(dir=budget_mod.shm_dir())
+    path = os.path.join(d, "held")
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert lock_mod.ofd_lock(holder, fcntl.F_WRLCK, wait=False)
+        got: list = []
+
+        def opener():
+            try:
+                got.append(shm_mod.open_segment(path, "r+"))
+            except Exception as e:  # noqa: BLE001 - checked below
+                got.append(e)
+        fds = len(os.listdir("/proc/self/fd"))
+        t = threading.Thread(target=opener, daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive() and isinstance(got[0], cio.ChemIOError), got
+        assert "held alone" in str(got[0]) and "Nothing was opened" in str(got[0])
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        os.close(holder)                # a waiter still in the kernel gets the lock now
+    fd, created = shm_mod.open_segment(path, "r+")
+    os.close(fd)
+    assert not created
+    shutil.rmtree(d)
