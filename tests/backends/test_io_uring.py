@@ -5,7 +5,6 @@ the engine forced."""
 import errno
 import gc
 import os
-import threading
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ from chemio_py.prefetch import iter_blocks
 from chemio_py.errors import ConfigError, EndOfFileError, OutOfSpaceError, StorageError
 from chemio_py.runtime import config
 from chemio_py.testing import BackendTests
+from aio_cases import threads_write_and_read
 
 pytestmark = pytest.mark.skipif(io_uring.engine() is None, reason="no io_uring here")
 
@@ -303,33 +303,10 @@ def test_a_forked_child_makes_its_own_ring(tmp_path):
 
 
 def test_threads_share_the_ring(tmp_path):
-    errors = []
     with cio.ExclusiveFile("threads", "w+", dir=str(tmp_path), direct=True) as f:
         _direct(f)
-        f.truncate(4 * 64 * 8 * K)
-
-        def worker(t):
-            try:
-                rng = np.random.default_rng(t)
-                rows = cio.aligned_empty((8, K))
-                back = cio.aligned_empty((8, K))
-                for i in range(64):
-                    rows[...] = rng.integers(0, 256, (8, 1), dtype=np.uint8)
-                    offs = (t * 64 + i) * 8 * K + np.arange(8) * K
-                    assert f.awrite_many(offs, rows).wait(timeout=10) == 8 * K
-                    assert f.aread_many(offs, back).wait(timeout=10) is back
-                    assert (back == rows).all()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        assert not any(th.is_alive() for th in threads)
+        threads_write_and_read(f)
         f.delete()
-    assert errors == []
     assert _settled(io_uring.engine())
 
 

@@ -29,14 +29,16 @@ def other():
 
 # ---------------------------------------------------------------- run in the other process
 
-def _eaf_there(blob: bytes, n: int) -> tuple:
-    """Read an ExclusiveFile copy; try to write and to delete it; close it."""
+def _read_copy(blob: bytes, n: int, tries: tuple = ("write",)) -> tuple:
+    """Read a byte file's copy; try each of ``tries`` (``write``, ``delete``), recording the
+    errors; close it."""
     f = pickle.loads(blob)
     got = f.read_bytes(0, n)
     errors = []
-    for act in (lambda: f.write(0, b"x"), f.delete):
+    acts = {"write": lambda: f.write(0, b"x"), "delete": lambda: f.delete()}
+    for act in tries:
         try:
-            act()
+            acts[act]()
         except Exception as e:      # noqa: BLE001 - reported to the test
             errors.append((type(e).__name__, str(e)))
     mode = f.mode
@@ -57,19 +59,6 @@ def _sf_there(blob: bytes, at: int, data: bytes, past: int) -> tuple:
     mode, ranks = f.mode, f.comm.size
     f.destroy()                      # a copy: closes it, removes nothing
     return head, limit, mode, ranks
-
-
-def _read_try_write(blob: bytes, n: int) -> tuple:
-    f = pickle.loads(blob)
-    got = f.read_bytes(0, n)
-    try:
-        f.write(0, b"x")
-        errors = []
-    except Exception as e:          # noqa: BLE001
-        errors = [(type(e).__name__, str(e))]
-    mode = f.mode
-    f.close()
-    return got, mode, errors
 
 
 def _records_there(blob: bytes) -> tuple:
@@ -109,7 +98,8 @@ def test_exclusive_file_copy_is_read_only_and_does_not_own_it(other, scratch_roo
     try:
         f.write(0, data)
         f.flush()
-        got, mode, errors = other.submit(_eaf_there, pickle.dumps(f), len(data)).result(60)
+        got, mode, errors = other.submit(_read_copy, pickle.dumps(f), len(data),
+                                          ("write", "delete")).result(60)
         assert got == data and mode == "r"
         assert [k for k, _ in errors] == ["ModeError", "ModeError"]
         assert "alone removes it" in errors[1][1]
@@ -158,7 +148,7 @@ def test_mpiio_shared_file_copy_is_read_only(other):
         sf.sync()
         f = pickle.loads(pickle.dumps(sf))
         assert f is sf
-        got, mode, errors = other.submit(_read_try_write, pickle.dumps(sf), 5).result(60)
+        got, mode, errors = other.submit(_read_copy, pickle.dumps(sf), 5).result(60)
         assert got == b"hello" and mode == "r" and errors[0][0] == "ModeError"
     finally:
         sf.destroy()

@@ -13,6 +13,7 @@ import importlib
 import os
 import tempfile
 import threading
+from typing import Callable, NamedTuple
 
 import h5py
 import numpy as np
@@ -76,65 +77,64 @@ def test_ao2mo_outcore_general(water, backend):
     assert used["h5tmpfiles"] >= 2 and written > ref.nbytes
 
 
-@pytest.mark.parametrize("backend", ["local", "shm"])
-def test_ccsd_outcore_eris(water_min, backend):
-    mol, mf = water_min
+class Outcore(NamedTuple):
+    """A PySCF method forced out of core: the molecule fixture, the solver made from the
+    SCF object, the settings that force it, its energy attribute, the counters of
+    ``usage()`` that must move, a check of the solver after its run, kernel keywords and
+    OpenMP threads (None: PySCF's)."""
+    mol: str
+    make: Callable
+    settings: dict
+    energy: str
+    moved: tuple = ("h5tmpfiles",)
+    check: Callable | None = None
+    kernel: dict = {}
+    omp: int | None = None
+
+
+def _eris_on_disk(m):
+    assert not isinstance(m.ao2mo().ovov, np.ndarray)
+
+
+def _ovl_on_disk(m):
+    assert not isinstance(m._eris.ovL, np.ndarray) if hasattr(m, "_eris") else True
+
+
+OUTCORE = {
+    # max_memory 1 MB: _make_eris_outcore, with PySCF's background writes
+    "ccsd": Outcore("water_min", cc.CCSD, {"max_memory": 1, "conv_tol": 1e-11}, "e_corr",
+                    ("h5tmpfiles", "background_calls"), _eris_on_disk),
+    "cisd": Outcore("water_min", ci.CISD, {"max_memory": 1, "conv_tol": 1e-11}, "e_corr"),
+    # mc_ao2mo on H5TmpFiles; one OpenMP thread: with several, PySCF's own CASSCF (h5py
+    # too) now and then ends in another stationary point (-75.00864 instead of -74.97617
+    # Eh) on a busy machine
+    "casscf": Outcore("water_min", lambda mf: mcscf.CASSCF(mf, 4, 4),
+                      {"max_memory": 1, "conv_tol": 1e-11}, "e_tot", omp=1),
+    # ovL in an H5TmpFile
+    "dfmp2": Outcore("water", mp.dfmp2.DFMP2, {"force_outcore": True}, "e_corr",
+                     check=_ovl_on_disk, kernel={"with_t2": False}),
+}
+
+
+@pytest.mark.parametrize("method, backend", [("ccsd", "local"), ("ccsd", "shm"),
+                                             ("cisd", "auto"), ("casscf", "shm"),
+                                             ("dfmp2", "local")])
+def test_outcore_method_energy(request, method, backend):
+    case = OUTCORE[method]
+    _, mf = request.getfixturevalue(case.mol)
 
     def run():
-        m = cc.CCSD(mf)
-        m.max_memory = 1                    # _make_eris_outcore
-        m.conv_tol = 1e-11
-        m.kernel()
-        assert not isinstance(m.ao2mo().ovov, np.ndarray)
-        return m.e_corr
+        with lib.with_omp_threads(case.omp):
+            m = case.make(mf)
+            for k, v in case.settings.items():
+                setattr(m, k, v)
+            m.kernel(**case.kernel)
+            if case.check is not None:
+                case.check(m)
+            return getattr(m, case.energy)
     ref, got, used, written = _both(run, backend)
     assert abs(ref - got) <= TOL
-    assert used["h5tmpfiles"] > 0 and used["background_calls"] > 0 and written > 0
-
-
-def test_cisd_outcore(water_min):
-    mol, mf = water_min
-
-    def run():
-        m = ci.CISD(mf)
-        m.max_memory = 1
-        m.conv_tol = 1e-11
-        m.kernel()
-        return m.e_corr
-    ref, got, used, written = _both(run, "auto")
-    assert abs(ref - got) <= TOL
-    assert used["h5tmpfiles"] > 0 and written > 0
-
-
-def test_casscf_mc_ao2mo(water_min):
-    mol, mf = water_min
-
-    def run():
-        # one OpenMP thread: with several, PySCF's own CASSCF (h5py too) now and then ends in
-        # another stationary point (-75.00864 instead of -74.97617 Eh) on a busy machine
-        with lib.with_omp_threads(1):
-            m = mcscf.CASSCF(mf, 4, 4)
-            m.max_memory = 1                    # mc_ao2mo on H5TmpFiles
-            m.conv_tol = 1e-11
-            m.kernel()
-            return m.e_tot
-    ref, got, used, written = _both(run, "shm")
-    assert abs(ref - got) <= TOL
-    assert used["h5tmpfiles"] > 0 and written > 0
-
-
-def test_dfmp2_outcore(water):
-    mol, mf = water
-
-    def run():
-        m = mp.dfmp2.DFMP2(mf)
-        m.force_outcore = True              # ovL in an H5TmpFile
-        m.kernel(with_t2=False)
-        assert not isinstance(m._eris.ovL, np.ndarray) if hasattr(m, "_eris") else True
-        return m.e_corr
-    ref, got, used, written = _both(run, "local")
-    assert abs(ref - got) <= TOL
-    assert used["h5tmpfiles"] > 0 and written > 0
+    assert all(used[k] > 0 for k in case.moved) and written > 0, used
 
 
 def test_df_outcore_cholesky_eri(water, tmp_path):

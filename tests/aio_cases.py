@@ -1,0 +1,41 @@
+"""Cases shared by the native asynchronous engines' tests (Linux AIO, io_uring): the same
+semantics asked of each engine."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import chemio_py as cio
+
+K = 4096
+
+
+def threads_write_and_read(f, threads: int = 4, rounds: int = 64) -> None:
+    """``threads`` threads each write and read back ``rounds`` batches of 8 aligned 4 KiB
+    rows of the O_DIRECT ExclusiveFile ``f`` at once (their own blocks); every thread ends
+    within 60 s and every batch reads back what it wrote."""
+    errors: list[BaseException] = []
+    f.truncate(threads * rounds * 8 * K)
+
+    def worker(t: int) -> None:
+        try:
+            rng = np.random.default_rng(t)
+            rows = cio.aligned_empty((8, K))
+            back = cio.aligned_empty((8, K))
+            for i in range(rounds):
+                rows[...] = rng.integers(0, 256, (8, 1), dtype=np.uint8)
+                offs = (t * rounds + i) * 8 * K + np.arange(8) * K
+                assert f.awrite_many(offs, rows).wait(timeout=10) == 8 * K
+                assert f.aread_many(offs, back).wait(timeout=10) is back
+                assert (back == rows).all()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join(60)
+    assert not any(th.is_alive() for th in pool)
+    assert errors == []
