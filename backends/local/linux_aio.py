@@ -9,10 +9,12 @@ uses it for aligned requests on its O_DIRECT descriptor and the pool for the res
 
 Who collects completions: one thread at a time holds the engine's reaping token. A thread
 waiting for one of the engine's requests takes it and reaps in its own thread, so a waiter
-is woken by the kernel directly, with no hand-off through another thread; the reaper thread
-collects only while nobody waits (and for ``GRACE`` seconds after a wait, so that a loop
-that submits and waits in turn keeps the token to itself). Whoever delivers does so under
-the reaper's thread name (the trace track of the I/O, what callbacks see).
+is woken by the kernel directly, with no hand-off through another thread. A thread that
+submits first collects what has finished (one non-blocking ``io_getevents``), as fio's loop
+does. The reaper thread collects only while nobody waits or submits (and for ``GRACE``
+seconds after, so that a loop that submits and waits in turn keeps the token to itself and
+pays no thread hand-off, or contention for the GIL, per request). Whoever delivers does so
+under the reaper's thread name (the trace track of the I/O, what callbacks see).
 
 Interrupts. Completions that ``io_getevents`` returned are gone from the kernel: if a
 signal handler that raises (Ctrl-C's, a SIGALRM timeout's, any) cut the delivery short,
@@ -54,9 +56,11 @@ BATCH = 64
 REAP_WAIT_NS = 200_000     # the reaper's wait for a batch of completions
 IDLE_WAIT_NS = 50_000_000  # its longest wait for one (then it gives the token back)
 WAITER_WAIT_NS = 20_000_000    # a waiter's longest single io_getevents (it then looks again)
-GRACE = 0.001              # seconds the reaper leaves the token alone after a wait ends
+GRACE = 0.001              # seconds the reaper leaves the token alone after a wait or submit
+NAP_MAX = 0.01             # the reaper's longest nap while other threads wait or submit
 TOKEN_POLL = 0.0002        # a waiter without the token looks again this often
 _TRACK = "chemio-aio"      # the thread name completions are delivered under (trace track)
+_is_done = requests.Request.done    # the state alone (_Req.done also collects completions)
 
 
 class _IOCB(ctypes.Structure):
@@ -105,6 +109,14 @@ class _Req(requests.NativeRequest):
     def progress(self, deadline: float | None) -> bool:
         return self._eng._wait(self, deadline)
 
+    def done(self) -> bool:
+        """Whether it is complete; a probe of a pending request first collects the
+        transfers that have finished (no wait), as ``wait()`` would."""
+        if _is_done(self):
+            return True
+        self._eng.poll()
+        return _is_done(self)
+
 
 class TokenReaper:
     """The wait of an engine whose waiters reap for themselves: one thread at a time holds
@@ -123,14 +135,14 @@ class TokenReaper:
         waiting = self._waiting
         try:
             waiting.append(None)            # list append/pop: atomic, no lock needed
-            while not req.done():
+            while not _is_done(req):
                 n = requests.shielded(self._wait_step, req, deadline)
                 if n is None:               # another thread reaps: for us too, or it stops
                     req.settle(TOKEN_POLL)
                 elif n < 0 and n != -errno.EINTR:
                     break                   # no context here (a forked child): plain wait
                 if deadline is not None and time.perf_counter() >= deadline:
-                    return req.done()
+                    return _is_done(req)
         finally:
             waiting.pop()
             self._last_wait = time.perf_counter()
@@ -151,6 +163,12 @@ class Engine(TokenReaper):
         libc = ctypes.CDLL(None, use_errno=True)
         self._syscall = libc.syscall
         self._syscall.restype = ctypes.c_long
+        # The same call keeping the GIL, for io_getevents that does not wait (it reads the
+        # completion ring): letting the GIL go costs more than the call, and on a busy node
+        # a thread that takes it meanwhile and is descheduled stalls the caller for its
+        # time slice.
+        self._syscall_now = ctypes.PyDLL(None, use_errno=True).syscall
+        self._syscall_now.restype = ctypes.c_long
         self._ctx = ctypes.c_ulong(0)
         if self._syscall(nr[0], QUEUE_DEPTH + BLOCKS * BLOCK, ctypes.byref(self._ctx)) != 0:
             raise OSError(ctypes.get_errno(), "io_setup failed")
@@ -208,6 +226,9 @@ class Engine(TokenReaper):
 
     def _submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
                 keep: Any, then: Callable, stats: Any) -> requests.Request | None:
+        if self._busy:
+            self._poll_step()               # the submitter collects what has finished
+        self._last_wait = time.perf_counter()   # and keeps the reaper away (GRACE)
         req = _Req(self, stats, keep, then, 1, False)
         with self._lock:
             if not self._free:
@@ -249,6 +270,9 @@ class Engine(TokenReaper):
 
     def _submit_many(self, write: bool, fd: int, addresses: Any, sizes: Any, offsets: Any,
                      keep: Any, then: Callable, stats: Any) -> requests.Request | None:
+        if self._busy:
+            self._poll_step()               # the submitter collects what has finished
+        self._last_wait = time.perf_counter()   # and keeps the reaper away (GRACE)
         n = len(offsets)
         req = _Req(self, stats, keep, then, n, True)
         gfree = self._gfree
@@ -371,7 +395,8 @@ class Engine(TokenReaper):
     def _reap(self, min_nr: int, timeout: Any) -> int:
         """Holding the token: collect finished transfers and complete their requests.
         Returns how many, or -errno."""
-        n = self._syscall(self._nr[2], self._ctx, min_nr, BATCH, self._events, timeout)
+        call = self._syscall_now if timeout is self._no_wait else self._syscall
+        n = call(self._nr[2], self._ctx, min_nr, BATCH, self._events, timeout)
         if n > 0:
             self._deliver(self._event_rows[:n].tolist(), time.perf_counter())
             return n
@@ -382,7 +407,7 @@ class Engine(TokenReaper):
         if not self._token.acquire(False):
             return None
         try:
-            if req.done():
+            if _is_done(req):
                 return 0
             # each of its transfers not reaped yet will complete: wait for as many
             return self._reap(min(req._left, BATCH), self._timeout(deadline))
@@ -397,10 +422,16 @@ class Engine(TokenReaper):
         return self._waiter_wait
 
     def _reap_loop(self) -> None:
+        nap = GRACE
         while True:
             if self._waiting or time.perf_counter() - self._last_wait < GRACE:
-                time.sleep(GRACE)           # a waiter reaps for itself
+                # A waiter (or submitter) reaps for itself. The naps double while that
+                # lasts (up to NAP_MAX): each look takes the GIL from the caller, and on a
+                # busy node a reaper that is not scheduled at once stalls it meanwhile.
+                time.sleep(nap)
+                nap = min(2 * nap, NAP_MAX)
                 continue
+            nap = GRACE
             if not self._token.acquire(timeout=GRACE):
                 continue
             try:

@@ -6,6 +6,7 @@ subclasses decide where the file lives and who may create or destroy it.
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 import os
 import time
@@ -187,7 +188,50 @@ class _Many:
         return self.sizes if type(self.sizes) is int else int(self.sizes[i])
 
 
+_I8 = np.dtype(np.int64)
+_c_char_from = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def _many_rows(offsets: Any, buffers: Any, writable: bool) -> _Many | None:
+    """``_many_args`` for its usual case, with a few scalar checks: int64 offsets, all
+    ``>= 0``, one per row of a non-empty C-contiguous array of plain values (writable when
+    ``writable``). None for anything else: the general path then checks it, and names
+    what is wrong."""
+    k = len(buffers)
+    if offsets.dtype is not _I8 or offsets.ndim != 1 or len(offsets) != k or not k:
+        return None
+    flags = buffers.flags
+    nbytes = buffers.nbytes
+    if not flags.c_contiguous or buffers.dtype.hasobject or not nbytes:
+        return None
+    if flags.writeable:             # a third of the cost of __array_interface__
+        base = _addressof(_c_char_from(buffers))
+    elif writable:
+        return None
+    else:
+        base = buffers.__array_interface__["data"][0]
+    rowbytes = nbytes // k
+    if k <= 16:
+        bits = base | rowbytes
+        for o in offsets.tolist():
+            bits |= o
+    else:
+        bits = int(np.bitwise_or.reduce(offsets)) | base | rowbytes
+    if bits < 0:                    # the OR is negative exactly when an offset is
+        return None
+    m = _Many()
+    m.offsets, m.bits, m.views = offsets, bits, _Rows(buffers)
+    m.addresses = np.arange(base, base + nbytes, rowbytes, dtype=np.uint64)
+    m.sizes, m.total = rowbytes, nbytes
+    return m
+
+
 def _many_args(offsets: Any, buffers: Any, writable: bool) -> _Many:
+    if type(buffers) is _ndarray and type(offsets) is _ndarray and buffers.ndim >= 2:
+        m = _many_rows(offsets, buffers, writable)
+        if m is not None:
+            return m
     what = "aread_many" if writable else "awrite_many"
     try:
         offs = np.asarray(offsets)

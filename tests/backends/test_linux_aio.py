@@ -13,7 +13,8 @@ import pytest
 
 import chemio_py as cio
 from chemio_py.backends.local import linux_aio
-from chemio_py.runtime import config
+from chemio_py.runtime import config, requests
+from aio_cases import threads_write_and_read
 
 pytestmark = pytest.mark.skipif(linux_aio.engine() is None, reason="no Linux AIO here")
 
@@ -126,6 +127,37 @@ def test_a_waiter_completes_its_requests_in_its_own_thread(tmp_path):
         f.delete()
 
 
+def test_a_submitter_and_a_probe_collect_what_has_finished(tmp_path):
+    # a thread that submits (or asks done()) first collects the finished transfers in its
+    # own thread, so a submit/wait loop needs no reaper thread and no GIL hand-off to it
+    me = threading.get_ident()
+    eng = linux_aio.engine()
+    with cio.ExclusiveFile("collect", "w+", dir=str(tmp_path), direct=True) as f:
+        if f.store._dfd is None:
+            pytest.skip("this file system refuses O_DIRECT")
+        f.write(0, np.arange(16 * K // 8, dtype=np.int64))
+        rows = cio.aligned_empty((16, K))
+        where = []
+        with eng._token:                    # the reaper thread collects nothing meanwhile
+            first = f.aread_many(np.arange(8) * K, rows[:8])
+            first.add_done_callback(lambda _r: where.append(threading.get_ident()))
+            t_end = time.monotonic() + 10
+            while not requests.Request.done(first) and time.monotonic() < t_end:
+                time.sleep(0.001)
+                f.aread_many(np.arange(8, 16) * K, rows[8:])    # collects `first`
+            assert where == [me]
+            third = f.aread(0, rows[0])
+            t_end = time.monotonic() + 10
+            while not third.done() and time.monotonic() < t_end:   # a probe collects
+                time.sleep(0.001)
+            assert requests.Request.done(third)
+        assert first.wait().shape == (8, K)        # wait() returns the buffers
+        f.flush()
+        np.testing.assert_array_equal(rows.view(np.int64).ravel(), np.arange(16 * K // 8))
+        f.delete()
+    assert _settled(eng)
+
+
 class _Interrupt(Exception):
     """What the test's SIGINT handler raises (a KeyboardInterrupt would stop pytest)."""
 
@@ -218,34 +250,11 @@ def test_interrupts_during_waits_lose_no_completion(tmp_path):
 
 def test_threads_waiting_at_once_all_complete(tmp_path):
     # one thread reaps at a time; the others are completed by it or take over after it
-    errors = []
     with cio.ExclusiveFile("threads", "w+", dir=str(tmp_path), direct=True) as f:
         if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
-        f.truncate(4 * 64 * 8 * K)
-
-        def worker(t):
-            try:
-                rng = np.random.default_rng(t)
-                rows = cio.aligned_empty((8, K))
-                back = cio.aligned_empty((8, K))
-                for i in range(64):
-                    rows[...] = rng.integers(0, 256, (8, 1), dtype=np.uint8)
-                    offs = (t * 64 + i) * 8 * K + np.arange(8) * K
-                    assert f.awrite_many(offs, rows).wait(timeout=10) == 8 * K
-                    assert f.aread_many(offs, back).wait(timeout=10) is back
-                    assert (back == rows).all()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        assert not any(th.is_alive() for th in threads)
+        threads_write_and_read(f)
         f.delete()
-    assert errors == []
 
 
 def test_a_completion_callback_may_wait_for_another_request(tmp_path):
@@ -275,10 +284,11 @@ def test_a_completion_callback_may_wait_for_another_request(tmp_path):
         f.delete()
 
 
-def test_the_reaper_completes_hundreds_in_flight_that_nobody_waits_for(tmp_path):
+def test_the_reaper_completes_hundreds_in_flight_that_nobody_waits_for(tmp_path, monkeypatch):
     # with more than 4 * BATCH transfers in flight the reaper asked io_getevents for more
     # completions at once than its buffer holds (EINVAL) and stopped for good
     eng = linux_aio.engine()
+    done = requests.Request.done            # the state alone: _Req.done would collect
     with cio.ExclusiveFile("many", "w+", dir=str(tmp_path), direct=True) as f:
         if f.store._dfd is None:
             pytest.skip("this file system refuses O_DIRECT")
@@ -287,6 +297,7 @@ def test_the_reaper_completes_hundreds_in_flight_that_nobody_waits_for(tmp_path)
         outs = cio.aligned_empty((n, K))
         half = linux_aio.QUEUE_DEPTH
         eng._waiting.append(None)           # "a waiter reaps": the reaper steps aside
+        monkeypatch.setattr(eng, "_poll_step", lambda: 0)   # and the submitter collects none
         try:
             reqs = [f.aread(i * K, outs[i]) for i in range(half)]
             reqs += [f.aread_many(np.arange(i, i + linux_aio.BLOCK) * K,
@@ -295,10 +306,11 @@ def test_the_reaper_completes_hundreds_in_flight_that_nobody_waits_for(tmp_path)
             assert eng.in_flight > 4 * linux_aio.BATCH
         finally:
             eng._waiting.pop()
+            monkeypatch.undo()
         t_end = time.monotonic() + 20
-        while not all(r.done() for r in reqs) and time.monotonic() < t_end:
-            time.sleep(0.005)               # polling, not waiting: the reaper's work
-        assert all(r.done() for r in reqs)
+        while not all(done(r) for r in reqs) and time.monotonic() < t_end:
+            time.sleep(0.005)               # looking, not waiting: the reaper's work
+        assert all(done(r) for r in reqs)
         assert eng._reaper.is_alive()
         assert all(r.exception() is None for r in reqs)
         f.delete()
