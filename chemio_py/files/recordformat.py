@@ -8,8 +8,9 @@ flags (1 = durable), CRC-32 of the slot). Then pages and indexes, in allocation 
 index is a JSON header and an int64 table of ``offset, stored bytes, raw bytes,
 compressed?, checksum of the raw page`` per page, followed by a 32-byte trailer (magic
 ``CIOREC01``, index offset, index length, CRC-32 of the index, JSON length). The JSON
-header names the page checksum (``"checksum"``: ``"crc32c"``, the Castagnoli CRC of the
-``google-crc32c`` wheel, about 8x faster than ``zlib.crc32``; or ``"crc32"``, zlib's, which
+header names the page checksum (``"checksum"``: ``"crc32c"``, the Castagnoli CRC, computed
+by the ``crc32c`` wheel (it releases the GIL) or else ``google-crc32c``, about 8x faster
+than ``zlib.crc32``; or ``"crc32"``, zlib's, which
 files written before the key existed use); an index naming another algorithm is refused
 (``MetadataError``) rather than read unchecked. The reader
 takes the newest valid slot; when its index is damaged it falls back to the other slot
@@ -66,12 +67,36 @@ _MAX_INTP = int(np.iinfo(np.intp).max)  # NumPy refuses shapes whose nonzero axe
 
 
 CHECKSUMS = ("crc32c", "crc32")   # page checksum algorithms an index may name
-_CRC_STEP = 1 << 20                # crc32c holds the GIL on arrays: bound each hold to 1 MiB
+_CRC_STEP = 1 << 20                # google-crc32c holds the GIL on arrays: bound each hold
+_CRC32C_CHECK = (b"123456789", 0xE3069283)    # the Castagnoli check value (RFC 3720)
+
+
+def _icrar_crc32c() -> Callable[[Any], int] | None:
+    """The ``crc32c`` wheel's function when it is installed and computes the Castagnoli CRC
+    (same values as google-crc32c); it releases the GIL on buffers of 32 KiB and more, so a
+    page is checked on the I/O pool while the consumer runs. None otherwise."""
+    try:
+        import crc32c as icrar
+        fn = icrar.crc32c
+        if fn(_CRC32C_CHECK[0]) != _CRC32C_CHECK[1]:
+            return None
+    except Exception:               # absent, or another package of that name
+        return None
+
+    def crc32c(data: Any) -> int:
+        if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        return int(fn(data))
+    return crc32c
 
 
 def _crc32c_fn() -> Callable[[Any], int] | None:
-    """The fastest crc32c here: google-crc32c's (C when built, else its Python), else
-    numcodecs' own; None when neither is installed."""
+    """The fastest crc32c here: the ``crc32c`` wheel's (releases the GIL), else
+    google-crc32c's (C when built, else its Python), else numcodecs' own; None when none
+    is installed."""
+    fast = _icrar_crc32c()
+    if fast is not None:
+        return fast
     try:
         import google_crc32c
     except ImportError:
@@ -102,8 +127,11 @@ _crc_fns: dict[str, Callable[[Any], int]] = {"crc32": zlib.crc32}
 
 
 def default_checksum() -> str:
-    """The checksum new record files use: ``"crc32c"`` when google-crc32c's C extension
-    is importable, else ``"crc32"`` (zlib's: C speed everywhere, about 8x slower)."""
+    """The checksum new record files use: ``"crc32c"`` when the ``crc32c`` wheel or
+    google-crc32c's C extension is importable, else ``"crc32"`` (zlib's: C speed
+    everywhere, about 8x slower)."""
+    if _icrar_crc32c() is not None:
+        return "crc32c"
     try:
         import google_crc32c
     except ImportError:
@@ -455,24 +483,31 @@ def decode_page(codec: Any, entry: list, stored: np.ndarray | None, out: np.ndar
     return page
 
 
-def iter_records(pages: Iterator, n_records: int, stream: int,
-                 where: str) -> Generator[tuple, None, None]:
+def iter_records(pages: Iterator, n_records: int, stream: int, where: str,
+                 whole: np.ndarray | None = None) -> Generator[tuple, None, None]:
     """The records of a stream of ``stream`` bytes, from ``pages`` yielding ``(key, page)``.
 
     Records are tuples of read-only arrays, views into the pages (valid until the next
     step). A record that spans pages is gathered into one buffer, reused from record to
-    record (grown when a larger one comes: no allocation and page faults per record).
-    Every prefix is checked against what is left of the stream before anything is
-    allocated for a record that spans pages.
+    record (grown when a larger one comes: no allocation and page faults per record) --
+    unless ``whole`` is given (a read-only mapping of the file, of which pages may be
+    views) and the pages it spans lie next to each other in it: then it is a view of
+    ``whole`` too. Every prefix is checked against what is left of the stream before
+    anything is allocated for a record that spans pages.
     """
     page: np.ndarray | None = None
     mv = memoryview(b"")
     pos = plen = 0
+    paddr = 0                           # address of the current page
     left = stream
     spill = np.empty(0, np.uint8)       # where records spanning pages are gathered
+    w_lo = w_hi = 0
+    if whole is not None:
+        w_lo = int(whole.ctypes.data)
+        w_hi = w_lo + whole.nbytes
 
     def advance() -> None:
-        nonlocal page, mv, pos, plen
+        nonlocal page, mv, pos, plen, paddr
         try:
             _, page = next(pages)
         except StopIteration:
@@ -480,6 +515,34 @@ def iter_records(pages: Iterator, n_records: int, stream: int,
         # numpy's stubs make ndarray a Buffer for Python 3.12+ only
         mv = memoryview(page).toreadonly()  # type: ignore[arg-type]  # (read-only views)
         pos, plen = 0, len(page)
+        if w_hi:
+            paddr = int(page.ctypes.data)
+
+    def span(n: int) -> memoryview:
+        """The next ``n`` stream bytes: a view of ``whole`` when the pages holding them are
+        next to each other in it, else gathered into the spill buffer."""
+        nonlocal pos
+        start = paddr + pos
+        pieces = []
+        o = 0
+        adjacent = w_lo <= start and start + n <= w_hi
+        while o < n:
+            if pos == plen:
+                advance()
+                adjacent = adjacent and paddr == start + o
+            k = min(n - o, plen - pos)
+            pieces.append(mv[pos:pos + k])
+            pos += k
+            o += k
+        if adjacent:
+            # numpy's stubs make ndarray a Buffer for Python 3.12+ only
+            return memoryview(whole)[start - w_lo:start - w_lo + n]  # type: ignore[arg-type]
+        out = room(n)
+        o = 0
+        for piece in pieces:
+            out[o:o + len(piece)] = piece
+            o += len(piece)
+        return out
 
     def room(n: int) -> memoryview:
         nonlocal spill
@@ -525,7 +588,7 @@ def iter_records(pages: Iterator, n_records: int, stream: int,
                     left -= total
                     yield rec
                     continue
-                buf = gather(room(total))
+                buf = span(total) if w_hi and w_lo <= paddr < w_hi else gather(room(total))
             else:
                 pre = gather(memoryview(bytearray(_PREFIX.size)))
                 magic, na, hl, pl = _PREFIX.unpack_from(pre, 0)

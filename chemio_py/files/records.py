@@ -30,8 +30,11 @@ The bytes on disk are ``recordformat``'s.
 """
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import operator
+import os
 import threading
 import warnings
 import weakref
@@ -40,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from chemio_py.errors import ArgumentError, ChemIOError, LimitExceededError, ModeError
+from chemio_py.errors import (ArgumentError, ChemIOError, LimitExceededError, MetadataError,
+                              ModeError, StorageError)
 from chemio_py.files.exclusive import ExclusiveFile, reopen as reopen_exclusive
 from chemio_py.files.pickling import live
 from chemio_py.files.recordformat import (
@@ -96,8 +100,9 @@ class RecordFile:
       ``compressor`` are fixed at creation.
     * Every page carries a checksum, checked when it is read back (on the I/O pool, beside
       the read-ahead). ``checksum`` picks its algorithm for a new file: ``"crc32c"``
-      (google-crc32c's C code: about memory speed), ``"crc32"`` (zlib's, about 8x slower),
-      or None: ``"crc32c"`` when google-crc32c's C extension is importable, else
+      (the ``crc32c`` wheel, which releases the GIL so the check overlaps the consumer, or
+      google-crc32c's C code: about memory speed), ``"crc32"`` (zlib's, about 8x slower),
+      or None: ``"crc32c"`` when either C implementation is importable, else
       ``"crc32"``. The file names its algorithm, so a reader uses the right one; files
       from before the choice existed are ``"crc32"``. ``checksum`` (property): the name.
     * ``nbytes``: bytes the file holds once flushed (compare with ``cio.stat(path).free``);
@@ -166,6 +171,7 @@ class RecordFile:
         self._error: BaseException | None = None
         self.recovered: str | None = None
         self._replays: "weakref.WeakSet[_Replay]" = weakref.WeakSet()
+        self._map: _PageMap | None = None     # read-only mapping for replays of hot pages
         self._wb = None
         self._f = self._open_file(name, mode, backend, dir, size_hint)
         try:
@@ -286,6 +292,8 @@ class RecordFile:
                 f"appending a record of {total} bytes to {self.name!r} would make its stream "
                 f"{self._stream + total} bytes, over max_bytes={self._max_bytes}; nothing was "
                 f"appended (compute this batch directly, or raise max_bytes)")
+        if self._map is not None:
+            self._drop_map()
         if not self._bufs:
             self._alloc_buffers()
         try:
@@ -456,6 +464,7 @@ class RecordFile:
 
     def _commit(self, durable: bool) -> None:
         """Write the index in free space, then point a header slot at it."""
+        self._drop_map()
         n = self.pages
         table = np.array(self._pages[:n], dtype="<i8").reshape(n, COLUMNS[VERSION])
         head = self._index_head(n)
@@ -542,12 +551,59 @@ class RecordFile:
         return decode_page(self._codec, entry, comp, page, f"record file {self.path!r}", i,
                            self._checksum)
 
+    def _fetch_page(self, i: int, slot: tuple, entry: list, pm: "_PageMap | None") -> np.ndarray:
+        """On the I/O pool in a replay: page ``i``, a read-only view of the mapping when it is
+        uncompressed and in the page cache (checked against its checksum there), else read
+        into ``slot`` (``_read_page``)."""
+        if pm is not None and not entry[3]:
+            page = pm.page(entry[0], entry[2])
+            if page is not None:
+                decode_page(None, entry, None, page, f"record file {self.path!r}", i,
+                            self._checksum)
+                if not pm.guard.poisoned:
+                    return page
+                self._drop_map(pm)           # the file shrank: the read below reports it
+        return self._read_page(i, slot, entry)
+
+    def _page_map(self) -> "_PageMap | None":
+        """The file's read-only mapping for replays (made now if the file qualifies: a
+        regular file of the ``local`` or ``shm`` backend, mincore and the SIGBUS guard
+        available, within the ``map_cap`` setting); None otherwise."""
+        pm = self._map
+        if pm is not None and pm.view is not None:
+            return pm
+        if not MAP_REPLAY or self._f.backend not in ("local", "shm"):
+            return None
+        pm = _PageMap.create(self, self.path, self._f.size)
+        self._map = pm
+        return pm
+
+    def _drop_map(self, pm: "_PageMap | None" = None) -> None:
+        """Forget the replay mapping (``pm``: only if it is still that one); views handed
+        out keep it mapped until they are gone."""
+        from chemio_py.backends.local import mappings
+        with mappings.maps_lock:
+            cur = self._map
+            if cur is None or (pm is not None and cur is not pm):
+                return
+            self._map = None
+            live: Any = mappings.live_maps.get(id(cur))
+            if live is cur:
+                mappings.drop_map(id(cur))
+            else:
+                cur.release()
+
     def replay(self, depth: int = 2) -> "_Replay":
         """Iterate over the records in order, ``depth`` pages read ahead (flushes first).
 
         Yields tuples of read-only arrays, valid until the next step. Use it in a ``for``
         loop or a ``with`` block; ``close()`` ends it early. Every page is checked against
-        its CRC before its records are handed out.
+        its CRC before its records are handed out. Uncompressed pages of a ``local`` or
+        ``shm`` file that are in the page cache are not copied: the arrays are views of a
+        read-only mapping of the file (kept while any of them lives; dropped with the file's
+        other read mappings by ``drop_mappings()``, at the next append and at close). If
+        another process shrinks the file under a replay, the replay raises
+        ``StorageError`` at its next step (no SIGBUS).
         """
         self._check_open()
         depth = check_depth(depth)
@@ -564,12 +620,15 @@ class RecordFile:
             return (np.empty(maxstored, np.uint8) if maxstored else None,
                     aligned_empty((maxraw,), np.uint8))
 
+        pm = self._page_map() if any(not p[3] for p in pages) else None
+
         def start(i: int, slot: tuple) -> tuple:
-            req = pool.submit(self._read_page, i, slot, pages[i])
+            req = pool.submit(self._fetch_page, i, slot, pages[i], pm)
             return req, req, None, pages[i][2]
 
         pipe = Pipeline(start, range(n_pages), make, depth, name=name)
-        rep = _Replay(pipe, self._n, self._stream, self.path, self._replays)
+        rep = _Replay(pipe, self._n, self._stream, self.path, self._replays,
+                      None if pm is None else pm.guard, None if pm is None else pm.view)
         self._replays.add(rep)
         return rep
 
@@ -586,6 +645,7 @@ class RecordFile:
             if self._mode != "r" and self._error is None:
                 self._flush(False, True)
         finally:
+            self._drop_map()
             if self._wb is not None:
                 self._wb._drain()
                 self._wb._closed = True
@@ -598,6 +658,7 @@ class RecordFile:
     def delete(self) -> None:
         """Remove the file (in-flight writes are waited for, nothing more is written)."""
         self._end_replays()
+        self._drop_map()
         if self._wb is not None:
             self._wb._drain()
             self._wb._closed = True
@@ -666,10 +727,13 @@ def _align(n: int) -> int:
 class _Replay:
     """The iterator ``RecordFile.replay()`` returns: records in order; a context manager."""
 
-    def __init__(self, pipe: Pipeline, n_records: int, stream: int, path: str, registry: Any):
+    def __init__(self, pipe: Pipeline, n_records: int, stream: int, path: str, registry: Any,
+                 guard: Any = None, whole: np.ndarray | None = None):
         self._pipe = pipe
-        self._gen = iter_records(pipe, n_records, stream, f"record file {path!r}")
+        self._gen = iter_records(pipe, n_records, stream, f"record file {path!r}", whole)
         self._registry = registry
+        self._guard = guard              # the mapping's SIGBUS guard (None: not mapped)
+        self._path = path
 
     @property
     def stats(self) -> stats.PipelineStats:
@@ -684,10 +748,33 @@ class _Replay:
 
     def __next__(self) -> tuple:
         try:
-            return next(self._gen)
+            rec = next(self._gen)
+        except StopIteration:
+            self.close()
+            self._check_guard()
+            raise
+        except MetadataError as e:          # zeros where the file shrank read as damage
+            self.close()
+            try:
+                self._check_guard()
+            except StorageError as s:
+                raise s from e
+            raise
         except BaseException:
             self.close()
             raise
+        if self._guard is not None and self._guard.poisoned:
+            self.close()
+            self._check_guard()
+        return rec
+
+    def _check_guard(self) -> None:
+        """Raise if the mapped file shrank under this replay (its views read zeros there)."""
+        if self._guard is not None and self._guard.poisoned:
+            raise StorageError(errno.EIO, self._path, op="replay of mapped pages",
+                               hint="the file shrank under the replay (truncated by another "
+                                    "process?): records handed out since may hold zeros; "
+                                    "nothing was changed, rebuild the cache")
 
     def close(self) -> None:
         """End the replay early: in-flight page reads are cancelled or waited for."""
@@ -706,3 +793,93 @@ class _Replay:
             self.close()
         except Exception:
             pass
+
+
+MAP_REPLAY = True           # replays hand out views of a mapping for hot uncompressed pages
+
+
+class _Mapped:
+    """A read-only mapping made with ``posix.map_file`` (no descriptor kept open), seen by
+    NumPy through ``__array_interface__``: every view of it keeps it alive, and the last one
+    to go unmaps it (its SIGBUS guard is unregistered first)."""
+
+    def __init__(self, addr: int, nbytes: int, guard: Any, posix: Any):
+        self.addr, self.nbytes, self.guard, self._posix = addr, nbytes, guard, posix
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (addr, True), "version": 3}
+
+    def __del__(self) -> None:
+        self._posix.guard_unregister(self.guard)
+        self._posix.unmap(self.addr, self.nbytes)
+
+
+class _PageMap:
+    """A read-only mapping of a record file for replays, in ``mappings.live_maps`` beside
+    the arrays' ``ReadMap`` s and shaped like them (so ``drop_mappings()`` and the
+    ``map_cap`` setting cover it). Dropping it only forgets it: the mapping itself goes
+    when the last view of it does, and stays guarded against SIGBUS until then."""
+
+    __slots__ = ("addr", "nbytes", "base", "guard", "pins", "dead", "owner", "view")
+
+    def __init__(self, owner: RecordFile, view: np.ndarray, guard: Any):
+        self.addr, self.nbytes = int(view.ctypes.data), len(view)
+        self.base = None
+        self.guard, self.pins, self.dead = guard, 0, False
+        self.owner = weakref.ref(owner)
+        self.view: np.ndarray | None = view
+
+    @classmethod
+    def create(cls, owner: RecordFile, path: str, size: int) -> "_PageMap | None":
+        """Map the first ``size`` bytes of ``path`` read-only; None when it cannot be."""
+        from chemio_py.backends import posix
+        from chemio_py.backends.local import mappings
+        if size <= 0 or not posix.mincore_ok() or not posix.sigbus_guard_ok():
+            return None
+        cap = mappings.map_cap()
+        if size > cap:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            addr = posix.map_file(fd, size)
+        finally:
+            os.close(fd)
+        if addr is None:
+            return None
+        guard = posix.guard_register(addr, addr + size)
+        view = np.asarray(_Mapped(addr, size, guard, posix))       # read-only; its base keeps it
+        if not posix.sigbus_guard_arm():
+            return None
+        pm = cls(owner, view, guard)
+        with mappings.maps_lock:
+            live = mappings.live_maps
+            total = sum(x.nbytes for x in live.values())
+            while live and total + size > cap:
+                total -= next(iter(live.values())).nbytes
+                mappings.drop_map(next(iter(live)))
+            live[id(pm)] = pm  # type: ignore[assignment]  # (a ReadMap look-alike)
+        return pm
+
+    def page(self, off: int, n: int) -> np.ndarray | None:
+        """A read-only view of bytes ``[off, off + n)`` when they are all in the page cache
+        and mapped; None otherwise (read them instead)."""
+        from chemio_py.backends import posix
+        view = self.view
+        if view is None or self.guard.poisoned or off + n > self.nbytes or n <= 0:
+            return None
+        ps = mmap.PAGESIZE
+        first, end = off // ps, -(-(off + n) // ps)
+        if posix.resident(self.addr, [(first, end)], end - first) is not True:
+            return None
+        if not posix.sigbus_guard_arm():
+            return None
+        return view[off:off + n]
+
+    def release(self) -> None:
+        """Forget the mapping (``drop_map``); the views handed out keep it mapped."""
+        self.view = None
+        owner = self.owner()
+        if owner is not None and owner._map is self:
+            owner._map = None

@@ -189,6 +189,27 @@ def test_crc32_file_reads_back_where_crc32c_is_available(store, compressor):
     cio.RecordFile.remove("fast", backend=store)
 
 
+def test_crc32c_implementations_agree(monkeypatch):
+    """The ``crc32c`` wheel and google-crc32c give the same values (so files stay
+    ``"crc32c"`` whichever wrote them), google-crc32c is the fallback when the wheel is
+    missing (the wheel's GIL release is measured by benchmarks/bench_records.py)."""
+    import sys
+    import google_crc32c
+    from chemio_py.files import recordformat
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 3 * MiB + 5, dtype=np.uint8)
+    fast = recordformat._icrar_crc32c()
+    assert fast is not None
+    for n in (0, 1, 7, 4096, 32768 + 3, MiB, len(data)):
+        want = int(google_crc32c.extend(0, data[:n].tobytes()))
+        assert fast(data[:n]) == want == fast(memoryview(data[:n]).toreadonly())
+    assert fast(data[::3]) == int(google_crc32c.extend(0, data[::3].tobytes()))
+    monkeypatch.setitem(sys.modules, "crc32c", None)       # the wheel is not installed
+    assert recordformat._icrar_crc32c() is None
+    assert recordformat.default_checksum() == "crc32c"     # google-crc32c's C extension
+    assert recordformat._crc32c_fn()(data) == fast(data)
+
+
 def test_flush_then_append_more(store):
     recs = _records(4000, seed=6)
     with cio.RecordFile("inc", "w+", compressor="zstd", backend=store) as log:
