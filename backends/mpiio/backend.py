@@ -95,6 +95,11 @@ def hints() -> dict[str, str]:
     return out
 
 
+def _hint_off(key: str) -> bool:
+    """Whether the hint ``key`` is 'disable' in the hints every open passes."""
+    return hints().get(key) == "disable"
+
+
 def _info() -> Any:
     MPI = _mpi()
     info = MPI.Info.Create()
@@ -672,6 +677,7 @@ class MpiioArrayStore(_MpiStore):
         self.dtype = np.dtype(dtype)
         self._comm = comm
         self._lock = threading.Lock()
+        self._sieving: list = []        # COMM_SELF handles with read sieving turned on
 
     @property
     def closed(self) -> bool:
@@ -737,6 +743,8 @@ class MpiioArrayStore(_MpiStore):
             with self._lock:
                 fh = self._independent_handle("write" if write else "read")
                 try:
+                    if not write:
+                        self._sieve_reads(fh, self._sieve(region, types))
                     fh.Set_view(0, MPI.BYTE, types.filetype)
                     if write:
                         fh.Write_at(0, [base, 1, types.memtype], st)
@@ -820,15 +828,22 @@ class MpiioArrayStore(_MpiStore):
             # Every rank is here: from now on each one makes the same collective calls,
             # whatever fails, and the outcome is agreed at the end.
             fh, err, got, st = self._fc, None, 0, MPI.Status()
+            alone = 0               # bytes this rank read on its own (``_read_alone``)
+            if types is not None and not write and self._sieve(region, types) \
+                    and (self._private or _hint_off("romio_cb_read")):
+                try:
+                    alone = self._read_alone(region, base, types)
+                except (MPI.Exception, StorageError) as e:
+                    err, alone = e, -1
             try:
-                fh.Set_view(0, MPI.BYTE, types.filetype if types else MPI.BYTE)
+                fh.Set_view(0, MPI.BYTE, types.filetype if types and not alone else MPI.BYTE)
             except MPI.Exception as e:
-                err = e
-            buf = [base, 1, types.memtype] if types and err is None else \
+                err = err or e
+            buf = [base, 1, types.memtype] if types and err is None and not alone else \
                 [_EMPTY, 0, MPI.BYTE]
             try:
                 (fh.Write_at_all if write else fh.Read_at_all)(0, buf, st)
-                got = st.Get_elements(MPI.BYTE)
+                got = st.Get_elements(MPI.BYTE) + max(alone, 0)
             except MPI.Exception as e:
                 err = err or e
             want = types.nbytes if types else 0
@@ -841,6 +856,55 @@ class MpiioArrayStore(_MpiStore):
                 types.free()
         if tmp is not None and not write:
             arr[...] = tmp
+
+    # Reads whose pieces cover the file densely but land in memory in short blocks (a
+    # chunk's rows in a C-ordered array: 8 KB each with the default chunks) go through
+    # ROMIO's data sieving: a few large reads into its buffer (``ind_rd_buffer_size``) and
+    # a copy out, instead of one system call per memory block (16,384 ``pread``s of 8 KB
+    # for 128 MB). Measured, one rank, cold 128 MB: 0.08-0.13 s of CPU against 0.18-0.21 s;
+    # wall time, 2 ranks beside a contiguous ``Read_at_all``: 0.58-1.28x against 0.46-2.06x
+    # interleaved at load 5 (the same), 0.76-1.25x against 0.39-0.62x at load 8-9 (other
+    # processes on the cores). Sparse regions keep it off: sieving reads their holes too.
+    SIEVE_DENSITY = 1.25            # file span / bytes wanted at most this for sieving
+
+    def _sieve(self, region: Any, types: Any) -> bool:
+        """Whether a read of ``region`` (its ``types``) is dense in the file and scattered
+        in memory, and the user left ``romio_ds_read`` to chemio."""
+        if types.mem_contiguous or "romio_ds_read" in (config.get("mpiio_hints") or {}):
+            return False
+        first, end = self.layout.spans(region, 1, 1 << 62)
+        return int(end[-1] - first[0]) <= self.SIEVE_DENSITY * types.nbytes
+
+    def _sieve_reads(self, fh: Any, on: bool) -> None:
+        """Turn ROMIO's read sieving of the ``COMM_SELF`` handle ``fh`` on or off (a local
+        call on a handle of one process; only when it changes). Call with the lock held."""
+        sieving = self._sieving
+        if (fh in sieving) == on:
+            return
+        MPI = _mpi()
+        info = MPI.Info.Create()
+        try:
+            info.Set("romio_ds_read", "enable" if on else "disable")
+            fh.Set_info(info)
+        finally:
+            info.Free()
+        if on:
+            sieving.append(fh)
+        else:
+            sieving.remove(fh)
+
+    def _read_alone(self, region: Any, base: Any, types: Any) -> int:
+        """This rank's part of a collective read done on its ``COMM_SELF`` handle with
+        sieving (read collectives move each rank's bytes independently anyway while
+        ``romio_cb_read`` is disabled, the default); returns the bytes read."""
+        MPI = _mpi()
+        st = MPI.Status()
+        with self._lock:
+            fh = self._independent_handle("read_all")
+            self._sieve_reads(fh, True)
+            fh.Set_view(0, MPI.BYTE, types.filetype)
+            fh.Read_at(0, [base, 1, types.memtype], st)
+        return st.Get_elements(MPI.BYTE)
 
     def read_all(self, region: Any, out: np.ndarray, comm: Any = None) -> np.ndarray:
         """Collective read over the array's communicator (every rank calls it)."""
@@ -870,6 +934,7 @@ class MpiioArrayStore(_MpiStore):
             return
         with self._lock:
             fi, fc, self._fi, self._fc = self._fi, self._fc, None, None
+            self._sieving.clear()
         err = None
         if _mpi_alive():
             MPI = _mpi()
@@ -888,6 +953,7 @@ class MpiioArrayStore(_MpiStore):
             return
         with self._lock:
             fi, fc, self._fi, self._fc = self._fi, self._fc, None, None
+            self._sieving.clear()
         if _mpi_alive():
             if fi is not None:
                 try:

@@ -130,10 +130,12 @@ def region_specs(layout: Layout, region: Any, mem_strides: Sequence[int]
 class RegionTypes:
     """The committed (file type, memory type) pair of one region; ``nbytes`` it moves."""
 
-    __slots__ = ("filetype", "memtype", "nbytes")
+    __slots__ = ("filetype", "memtype", "nbytes", "mem_contiguous")
 
-    def __init__(self, filetype: Any, memtype: Any, nbytes: int):
+    def __init__(self, filetype: Any, memtype: Any, nbytes: int,
+                 mem_contiguous: bool = False):
         self.filetype, self.memtype, self.nbytes = filetype, memtype, nbytes
+        self.mem_contiguous = mem_contiguous        # the memory type is one block at 0
 
     def free(self) -> None:
         for name in ("filetype", "memtype"):
@@ -162,7 +164,7 @@ def region_types(MPI: Any, layout: Layout, region: Any, mem_strides: Sequence[in
             raise
         ft.Commit()
         mt.Commit()
-        return RegionTypes(ft, mt, nbytes)
+        return RegionTypes(ft, mt, nbytes, mspec[0] == "c")
     finally:
         for t in made:
             t.Free()

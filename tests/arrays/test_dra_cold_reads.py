@@ -200,3 +200,47 @@ def test_one_stretch_keeps_read_ahead(tmp_path):
         assert opened == []
     finally:
         d.delete()
+
+
+def test_long_stretches_are_read_as_streams(tmp_path, monkeypatch):
+    # (LONG_STRETCH and the task sizes lowered so that a small array shows it) a cold
+    # section of long stretches is read one stretch per task, at most LONG_STREAMS at once,
+    # in file order; short stretches keep small tasks on every I/O thread; the data is
+    # NumPy's either way
+    from chemio_py.arrays import diskarray as da
+    shape, chunks = (256, 512), (32, 128)      # chunks of 32 KiB, chunk rows of 128 KiB
+    x = np.random.default_rng(13).standard_normal(shape)
+    d = cio.DiskArray.create("l", shape, "f8", chunks=chunks, path=tmp_path)
+    try:
+        d[...] = x
+        d.flush()
+        plans = []
+        real = d._taskrun
+
+        def spy(store, write, tasks):
+            run, streams = real(store, write, tasks)
+            plans.append(([t[0] for t in tasks], streams))
+            return run, streams
+        monkeypatch.setattr(d, "_taskrun", spy)
+        monkeypatch.setattr(da, "TASK_MIN", 32 << 10)
+        monkeypatch.setattr(da, "TASK_MAX", 32 << 10)
+        whole = (slice(0, 256), slice(0, 512))          # whole rows: one 1 MiB stretch
+        column = (slice(0, 256), slice(0, 128))         # 32 KiB of each 128 KiB chunk row
+        for long, sec, tasks, streams in ((256 << 10, whole, 0, None),
+                                          (1 << 60, whole, 32, "all"),
+                                          (64 << 10, column, 8, "all"),
+                                          (32 << 10, column, 8, da.LONG_STREAMS)):
+            monkeypatch.setattr(da, "LONG_STRETCH", long)
+            d.evict()
+            plans.clear()
+            np.testing.assert_array_equal(d.read(sec), x[sec])
+            if not tasks:
+                assert plans == []                      # one task: run in this thread
+                continue
+            (regions, got), = plans
+            assert len(regions) == tasks, (long, sec, len(regions))
+            assert got == streams if streams != "all" else got > da.LONG_STREAMS
+            starts = [r[0].start for r in regions]
+            assert starts == sorted(starts)             # file order
+    finally:
+        d.delete()

@@ -523,3 +523,43 @@ assert np.array_equal(f[:, :], model)
 f.delete()
 print("ok", flush=True)
 """, timeout=120)
+
+
+def test_dense_scattered_reads_are_sieved_sparse_ones_not(mpirun, tmp_path):
+    """2 ranks: a region dense in the file whose rows land in memory in short blocks is
+    read through ROMIO's sieving (few large reads), on the independent handle and as this
+    rank's part of ``read_all``; a sparse region after it turns sieving off again; every
+    read equals NumPy, strided buffers and empty ranks included."""
+    mpirun(2, _COMMON + f"""
+D = {str(tmp_path)!r}
+shape, chunks = (64, 48), (8, 12)          # a chunk row: 4 chunks, contiguous in the file
+want = model(shape, "f8", 7)
+st = be.open_array(os.path.join(D, "s.dra"), "w+", shape=shape, dtype="f8", chunks=chunks,
+                   comm=c)
+if c.rank == 0:
+    st.write(FULL(shape), want)
+st.flush(); c.barrier()
+dense = (slice(8 * c.rank, 8 * c.rank + 24), slice(0, 48))      # whole chunk rows
+sparse = (slice(0, 64), slice(12 * c.rank, 12 * c.rank + 5))     # 5 of every 48 columns
+for rnd, reg in enumerate([dense, sparse, dense, (slice(9, 9), slice(0, 48)), sparse]):
+    out = strided(want[reg].shape, "f8") if rnd % 2 else np.zeros(want[reg].shape)
+    st.read_all(reg, out, c)
+    assert np.array_equal(out, want[reg]), ("read_all", rnd)
+    if reg is dense:
+        assert st._sieving, rnd                 # this rank's part read with sieving
+    before = bool(st._sieving)
+    out[...] = 0
+    st.read(reg, out)
+    assert np.array_equal(out, want[reg]), ("read", rnd)
+    assert bool(st._sieving) == (reg is dense if out.size else before), rnd
+# a user's own romio_ds_read is left alone
+cio.configure(mpiio_hints="romio_ds_read=disable")
+st2 = be.open_array(os.path.join(D, "s.dra"), "r", shape=shape, dtype="f8", chunks=chunks,
+                    comm=c)
+out = np.zeros(want[dense].shape)
+st2.read_all(dense, out, c)
+st2.read(dense, out)
+assert np.array_equal(out, want[dense]) and not st2._sieving
+st2.close(); st.close()
+print("ok", flush=True)
+""", timeout=120)
