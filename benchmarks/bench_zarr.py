@@ -73,7 +73,9 @@ The data are standard normals rounded to float32 (one block, with the block numb
 first element). Targets: uncompressed chemio >= 0.9x raw on write and read; zstd >= 0.9x the
 ceiling. Ranges over ``SIZE_ROUNDS`` rounds; the note says ``uptime``'s load.
 
-Run alone: ``python benchmarks/bench_zarr.py [--full] [--size-only] [--size-gib N] [--notes]``.
+Run alone: ``python benchmarks/bench_zarr.py [--full] [--size-only | --small-only]
+[--size-gib N] [--notes]`` (``--small-only``: the small-object rows against TensorStore and
+zarr-python alone, the quick check for issue 28 item 4).
 """
 from __future__ import annotations
 
@@ -933,8 +935,11 @@ def _rng(ts: list[float], nbytes: int) -> str:
     return f"{lo:.0f}–{hi:.0f}"
 
 
-def run(quick: bool, workdir: str) -> list[dict]:
+def run(quick: bool, workdir: str, small_only: bool = False) -> list[dict]:
+    """All rows; ``small_only``: the small-object rows alone (no MPI, no size case)."""
     cfg = QUICK if quick else FULL
+    if small_only:
+        cfg = dict(cfg, layouts=("small",))
     n, s, reps = cfg["n"], cfg["s"], cfg["reps"]
     nbytes = s * s * 8
     x = (np.random.default_rng(0).standard_normal((s, s)).astype(np.float32)
@@ -962,6 +967,8 @@ def run(quick: bool, workdir: str) -> list[dict]:
     finally:
         pool.shutdown()
     del x, out
+    if small_only:
+        return rows
     rows += _mpi_rows(cfg, n, s, workdir, problem)
     if problem is None:
         rows += size_case(quick, workdir)
@@ -1041,7 +1048,8 @@ if __name__ == "__main__":
         if "--size-gib" in sys.argv:
             os.environ["CHEMIO_BENCH_ZARR_GIB"] = sys.argv[sys.argv.index("--size-gib") + 1]
         with tempfile.TemporaryDirectory(prefix="bench-zarr-") as d:
-            rows = size_case(quick, d) if "--size-only" in sys.argv else run(quick, d)
+            rows = size_case(quick, d) if "--size-only" in sys.argv else \
+                run(quick, d, "--small-only" in sys.argv)
             for r in rows:
                 ratio = "" if r["ratio"] is None else f"  x{r['ratio']:.2f}"
                 tgt = "" if r["target"] is None else f" (target {r['target']})"

@@ -9,17 +9,26 @@ Compression: ``compressor=`` (``"zstd[:level]"``, ``"blosc[:cname[:level[:shuffl
 ``[files]`` rule).
 
 The I/O path is chemio's own: numcodecs encodes and decodes; every object is written whole
-to a temporary name in its directory and ``os.replace``-d, so a reader sees the old object
-or the new one, never a torn one; shards are read through their index, decoding only the
-inner chunks a region needs. Objects holding only zeros are not stored (read as zeros).
+to a temporary name in its directory and put in place atomically, so a reader sees the old
+object or the new one, never a torn one: an existing object is exchanged with the new file
+(``renameat2(RENAME_EXCHANGE)``; ``os.replace`` where the kernel or file system cannot) and
+the old file, now under the temporary name, is unlinked by a thread of its own (freeing its
+blocks is most of a replacing rename's cost), before the write returns (in a persistent
+array the new file's write-back is started before it replaces an object, as ext4 does for a
+rename over a file, so that a crash leaves the old object or the new one); shards are read
+through their index, decoding only the inner chunks a region needs. Objects holding only
+zeros are not stored (read as zeros), nor are a raw shard's all-zero inner chunks.
 An object is written with ``pwritev`` straight from its parts (the encoded inner chunks and
-the index of a shard, or the caller's own array where an inner chunk is stored raw and is
-one contiguous block of it: no assembled copy) into a temporary file preallocated with
-``fallocate`` when it is 1 MiB or more (skipped where the file system refuses). Inner chunks
-stored raw are read straight into the caller's array where their place in it is contiguous
-(runs of neighbours in one ``preadv``), the others into a reused per-thread buffer (never a
-zero-filled one per object). The inner chunks of a large shard (4 MiB or more) are encoded,
-or read and decoded, over chemio's I/O pool, the calling thread working too.
+the index of a shard) into a temporary file preallocated with ``fallocate`` when it is 1 MiB
+or more (skipped where the file system refuses); a shard of raw inner chunks (zero fill) is
+written chunk by chunk at its place in the file from the caller's array, a block that is
+not contiguous there through a per-thread tile that stays in the CPU cache (no staging copy
+of the shard). Inner chunks stored raw are read straight into the caller's array where their
+place in it is contiguous (runs of neighbours in one ``preadv``), the others into a reused
+per-thread buffer (never a zero-filled one per object); the threads' buffers are dropped
+when the last open store of the process closes (``held_bytes`` says what they hold). The
+inner chunks of a large shard (4 MiB or more) are encoded and written, or read and decoded,
+over chemio's I/O pool, the calling thread working too.
 
 Durability: a persistent array (any array chemio did not create as scratch) is made durable
 by ``flush()`` and by ``close()``: one pass starts the write-back of every object written
@@ -30,7 +39,8 @@ then: starting it per object made the writer wait for the device). A scratch arr
 it is never synced (a crash loses it anyway). No write fsyncs by itself. Objects are never
 rewritten in place, not even those this process created: another process reading a
 half-rewritten compressed object would decode garbage, and a crash would leave a torn
-object in a persistent array; an object's cost is one create, one write and one rename.
+object in a persistent array; an object's cost is one create, one write and one rename
+(an exchange, the old file unlinked off the writer's thread).
 
 Many writers: ``write_all`` is collective two-phase I/O (``zarr_exchange``): each object
 gets one owner rank, which alone rewrites it, so writers of disjoint regions never lose
@@ -56,6 +66,7 @@ open (a bounded cache), so a name swapped for a link later redirects nothing.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import fcntl
@@ -69,6 +80,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from itertools import product
@@ -204,6 +216,7 @@ class ZarrArrayStore:
         self._dir_lock = threading.Lock()
         self._dirfds: OrderedDict = OrderedDict()   # key dir -> [fd, users, dropped]
         self._closed = False
+        self._counted = False                   # in _OPEN (the thread buffers' users)
         self._lockfd = -1
         self._root = zf.open_dir(path) if root is None else root
         self.path = path
@@ -229,6 +242,8 @@ class ZarrArrayStore:
         self._object_limit = meta.stored_bound
         self._durable = durable_array(meta)
         self._zarr_python: Any = None           # zarr.Array of a foreign array, once read
+        _store_opened(1)
+        self._counted = True
         if self.lock:
             try:
                 self._lockfd = self._open_lock_file()
@@ -732,10 +747,13 @@ class ZarrArrayStore:
 
     def _put(self, index: tuple, data: Any) -> None:
         """Replace object ``index`` with ``data`` (None: remove it) atomically, inside the
-        key directory this store holds open (opened again once if it was removed)."""
+        key directory this store holds open (opened again once if it was removed).
+        ``data``: a buffer, a list of buffers written in order, or ``(nbytes, fill)``
+        where ``fill(fd)`` writes the ``nbytes`` of the new object into ``fd``."""
         rel, name = self._key_parts(index)
         full = self._where(index)
-        n = None if data is None else \
+        streamed = isinstance(data, tuple)
+        n = None if data is None else data[0] if streamed else \
             sum(memoryview(p).nbytes for p in (data if isinstance(data, list) else [data]))
         for attempt in (0, 1):
             e = self._dir_get(rel, data is not None) if rel else None
@@ -746,7 +764,11 @@ class ZarrArrayStore:
                 if data is None:
                     os.unlink(name, dir_fd=dfd)
                 else:
-                    zf.write_atomic_at(dfd, name, data, self._perms)
+                    old = self._write_streamed(dfd, name, *data) if streamed else \
+                        zf.write_atomic_at(dfd, name, data, self._perms, True, self._durable)
+                    if old is not None:             # the replaced object, now named old:
+                        _REAPER.add(self, dfd, old, e)   # removed off this thread
+                        e = None                    # (the reaper hands the directory back)
             except FileNotFoundError as err:
                 if data is None:
                     return                      # already absent
@@ -761,6 +783,23 @@ class ZarrArrayStore:
                     self._dir_put(e)
             self._mark(rel, None if data is None else name)
             return
+
+    def _write_streamed(self, dfd: int, name: str, n: int, fill: Any) -> str | None:
+        """``write_atomic_at`` of an object that ``fill(fd)`` writes (``n`` bytes)."""
+        fd, tmp = zf.temp_at(dfd, name, self._perms)
+        try:
+            try:
+                if n >= zf.PREALLOCATE_ABOVE:
+                    zf.preallocate(fd, n)
+                fill(fd)
+                if self._durable:
+                    zf.order_before_replace(fd, dfd, name)
+            finally:
+                os.close(fd)
+            return zf.install_at(dfd, tmp, name, True)
+        except BaseException:
+            zf.discard_at(dfd, tmp)
+            raise
 
     def _mark(self, rel: str, name: str | None) -> None:
         """Remember for ``flush``: object ``name`` in key directory ``rel`` (None: only
@@ -863,6 +902,9 @@ class ZarrArrayStore:
             if fd >= 0:
                 os.close(fd)
 
+        if pipe.plain and self.meta.fill_is_zero:
+            self._write_raw_shard(index, where, jobs, parts)
+            return
         # raw inner chunks are gathered into this thread's staging buffer (their slots
         # stay valid until the shard is written); encoded ones into a reused tile
         tile_n = math.prod(inner)
@@ -897,6 +939,57 @@ class ZarrArrayStore:
         nbytes = len(jobs) * math.prod(inner) * self.dtype.itemsize
         _fan(encode, jobs, self.write_streams if nbytes >= FAN_BYTES else 1)
         self._put(index, zf.shard_buffers(parts, sh))
+
+    def _write_raw_shard(self, index: tuple, where: str, jobs: list, parts: list) -> None:
+        """The end of ``_store_shard`` for raw inner chunks and a zero fill value: each
+        inner chunk that is one whole block of a piece is written from it (``pwrite`` at
+        its place in the new shard; a strided block through this thread's tile, which
+        stays in the CPU cache), over the I/O pool for large shards: no staging copy of
+        the shard. Merged inner chunks are assembled first; all-zero ones not stored."""
+        sh = self.meta.shard
+        assert sh is not None
+        inner = sh.inner
+        src: list = list(parts)                 # kept stored bytes, or what to write
+        for k, lo, _hi, hits, stored, whole in jobs:
+            if whole and len(hits) == 1:
+                a, b, bx, arr = hits[0]
+                view = arr[tuple(slice(x - b0[0], y - b0[0]) for x, y, b0 in zip(a, b, bx))]
+                src[k] = None if _zero_view(view) else view
+                continue
+            tile = np.empty(inner, self.dtype)
+            if stored is not None:
+                self._decode(sh.pipeline, stored, tile, f"{where} (inner chunk {k})")
+            else:
+                tile[...] = self.meta.fill
+            for a, b, bx, arr in hits:
+                dst = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))
+                tile[dst] = arr[tuple(slice(x - b0[0], y - b0[0])
+                                      for x, y, b0 in zip(a, b, bx))]
+            src[k] = None if self._all_fill(tile) else tile
+        plan = zf.shard_plan([None if p is None else
+                              p.nbytes if isinstance(p, np.ndarray) else memoryview(p).nbytes
+                              for p in src], sh)
+        if plan is None:
+            self._put(index, None)
+            return
+        offsets, ib, at, total = plan
+        items = [(offsets[k], p) for k, p in enumerate(src) if p is not None]
+
+        def put(item: tuple, fd: int = -1) -> None:
+            off, p = item
+            if isinstance(p, np.ndarray):
+                if not p.flags.c_contiguous:
+                    t = _thread_tile(inner, self.dtype)
+                    t[...] = p
+                    p = t
+                p = p.reshape(-1).view(np.uint8)
+            zf.pwrite_parts(fd, [memoryview(p).cast("B")], off)
+
+        def fill(fd: int) -> None:
+            width = self.write_streams if total >= FAN_BYTES else 1
+            _fan(lambda item: put(item, fd), items, width)
+            zf.pwrite_parts(fd, [memoryview(ib)], at)
+        self._put(index, (total, fill))
 
     # ------------------------------------------------------------ the ArrayStore API
     def read(self, region: tuple, out: np.ndarray) -> np.ndarray:
@@ -987,8 +1080,11 @@ class ZarrArrayStore:
         """Write ``data`` into ``region`` (objects it cuts are read, merged and replaced)."""
         self._check(region, data)
         self.check_write(region)
-        for p, local, arr in self._pieces(region, data):
-            self.store_object(p.index, [(local, arr)], p.shape == p.extent)
+        try:
+            for p, local, arr in self._pieces(region, data):
+                self.store_object(p.index, [(local, arr)], p.shape == p.extent)
+        finally:
+            _REAPER.settle(self)            # the replaced objects' files are gone
 
     def read_all(self, region: tuple, out: np.ndarray, comm: Any = None) -> np.ndarray:
         """Read ``region`` (every rank independently; collective only in name)."""
@@ -1018,9 +1114,12 @@ class ZarrArrayStore:
             if not write:
                 self.read(sub, view)
                 return
-            for p, local, a in self._pieces(sub, view):
-                if p.index not in skip:
-                    self.store_object(p.index, [(local, a)], p.shape == p.extent)
+            try:
+                for p, local, a in self._pieces(sub, view):
+                    if p.index not in skip:
+                        self.store_object(p.index, [(local, a)], p.shape == p.extent)
+            finally:
+                _REAPER.settle(self)
         if len(subs) == 1:
             req = requests.NativeRequest()          # completed here, in the caller
             try:
@@ -1064,6 +1163,7 @@ class ZarrArrayStore:
         except Exception as e:             # pragma: no cover - an MPI failure
             errors.append(e)
         _wait(local, errors)
+        _REAPER.settle(self)
         err = mine or (errors[0] if errors else None)
         reasons = comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
         if err is not None:
@@ -1078,6 +1178,7 @@ class ZarrArrayStore:
         fsyncs them, then the directories whose entries changed, all reached from the
         array's descriptor, never through a link. A scratch array (chemio's metadata says
         ``persistent: false``) is removed when it closes, so nothing is synced."""
+        _REAPER.settle(self)
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
             everything, self._dirty_all = self._dirty_all, False
@@ -1196,8 +1297,9 @@ class ZarrArrayStore:
 
     def close(self) -> None:
         """Make a persistent array's writes durable (``flush``), then release this
-        process's resources (no collective call is needed); idempotent. A flush error is
-        raised after the resources are released."""
+        process's resources (no collective call is needed; the threads' reusable buffers
+        when this was the last open zarr store); idempotent. A flush error is raised after
+        the resources are released."""
         err: Exception | None = None
         if getattr(self, "_durable", False) and not self._closed and \
                 (self._dirty or self._dirty_all):
@@ -1205,8 +1307,10 @@ class ZarrArrayStore:
                 self.flush()
             except Exception as failure:    # released all the same, then raised
                 err = failure
+        _REAPER.settle(self)
         with self._dir_lock:
             self._closed = True
+            counted, self._counted = getattr(self, "_counted", False), False
             for e in self._dirfds.values():
                 if e[1] == 0:
                     os.close(e[0])
@@ -1219,6 +1323,8 @@ class ZarrArrayStore:
             os.close(fd)
         if root >= 0:
             os.close(root)
+        if counted:
+            _store_opened(-1)               # the last one: the thread buffers released
         if err is not None:
             raise err
 
@@ -1403,41 +1509,90 @@ def durable_array(meta: zf.ZarrMeta) -> bool:
 
 _local = threading.local()
 _BUF_KEEP = 16 << 20             # a thread keeps a reusable read buffer up to this size
+_STAGE_KEEP = 64 << 20           # ... and a reusable write staging buffer up to this size
+
+
+class _Held:
+    """One thread's reusable buffers (None: none yet), registered in ``_HELD`` so that
+    ``release_buffers`` can drop every thread's."""
+    __slots__ = ("buf", "stage", "tile", "__weakref__")
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.stage: np.ndarray | None = None
+        self.tile: np.ndarray | None = None
+
+
+_HELD: weakref.WeakSet = weakref.WeakSet()      # every live thread's _Held
+_OPEN = [0]                                     # zarr array stores open in this process
+_HELD_LOCK = threading.Lock()
+
+
+def _held() -> _Held:
+    h = getattr(_local, "held", None)
+    if h is None:
+        h = _local.held = _Held()
+        with _HELD_LOCK:
+            _HELD.add(h)
+    return h
+
+
+def held_bytes() -> int:
+    """Bytes of the reusable buffers all threads of this process hold for zarr I/O."""
+    with _HELD_LOCK:
+        return sum(b.nbytes for h in _HELD for b in (h.buf, h.stage, h.tile) if b is not None)
+
+
+def release_buffers() -> None:
+    """Drop every thread's reusable buffers (a buffer in use stays alive until its user
+    is done with it): done when the last open zarr array store of the process closes."""
+    with _HELD_LOCK:
+        for h in _HELD:
+            h.buf = h.stage = h.tile = None
+
+
+def _store_opened(delta: int) -> None:
+    with _HELD_LOCK:
+        _OPEN[0] += delta
+        last = _OPEN[0] <= 0
+    if last:
+        release_buffers()
 
 
 def _thread_buffer(n: int) -> memoryview:
     """``n`` bytes of this thread's reusable buffer (grown as needed, never zero-filled;
-    one larger than ``_BUF_KEEP`` is not kept)."""
-    buf = getattr(_local, "buf", None)
+    one larger than ``_BUF_KEEP`` is not kept; all released when the last store
+    closes)."""
+    h = _held()
+    buf = h.buf
     if buf is None or buf.size < n:
         buf = np.empty(max(n, 1 << 16), np.uint8)
         if n <= _BUF_KEEP:
-            _local.buf = buf
+            h.buf = buf
     return buf[:n].data
-
-
-_STAGE_KEEP = 64 << 20           # ... and a reusable write staging buffer up to this size
 
 
 def _thread_stage(n: int, dtype: np.dtype) -> np.ndarray:
     """A flat array of ``dtype`` over ``n`` bytes of this thread's reusable staging
     buffer (gathered raw inner chunks of one shard, until it is written); one larger
     than ``_STAGE_KEEP`` is not kept."""
-    buf = getattr(_local, "stage", None)
+    h = _held()
+    buf = h.stage
     if buf is None or buf.size < n:
         buf = np.empty(n, np.uint8)
         if n <= _STAGE_KEEP:
-            _local.stage = buf
+            h.stage = buf
     return buf[:n].view(dtype)
 
 
 def _thread_tile(shape: tuple, dtype: np.dtype) -> np.ndarray:
     """This thread's reusable array of ``shape`` and ``dtype`` (decoded inner chunks
     that are copied out at once)."""
-    tile = getattr(_local, "tile", None)
+    h = _held()
+    tile = h.tile
     if tile is None or tile.shape != shape or tile.dtype != dtype:
         tile = np.empty(shape, dtype)
-        _local.tile = tile
+        h.tile = tile
     return tile
 
 
@@ -1480,6 +1635,104 @@ def _fan(fn: Any, items: list, width: int) -> None:
             cond.wait()
     if errors:
         raise errors[0]
+
+
+_REAP_MAX = 256                   # replaced objects a store leaves to the reaper at most
+_REAP_IDLE = 2.0                  # seconds the reaper thread waits for work before ending
+
+
+class _Reaper:
+    """Removes the files that replaced objects leave (``write_atomic_at(keep_old=True)``)
+    on a thread of its own, so that a writer does not wait while the file system frees an
+    old object's blocks (most of a replacing rename's cost on ext4). A store has at most
+    ``_REAP_MAX`` such files waiting (then its writers wait); ``settle(store)`` returns
+    when none of its files is left, which every write, ``flush`` and ``close`` does before
+    returning. A file that cannot be removed stays as a temporary file, as an
+    interrupted write leaves one (``chemio check`` reports it). In ``CHEMIO_SYNC`` mode
+    the writer removes the file itself."""
+
+    def __init__(self) -> None:
+        self._reset()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._todo: collections.deque = collections.deque()
+        self._pending: dict = {}        # id(store): its files queued or being removed
+        self._thread: threading.Thread | None = None
+
+    def add(self, store: ZarrArrayStore, dfd: int, name: str, e: list | None) -> None:
+        """Remove ``name`` from the directory open as ``dfd`` (store's key directory entry
+        ``e``, handed back with ``_dir_put`` after; None: the array's own directory)."""
+        from chemio_py.runtime import pool
+        if pool.sync_mode():
+            self._remove(store, dfd, name, e)
+            return
+        key = id(store)
+        with self._cond:
+            while self._pending.get(key, 0) >= _REAP_MAX:
+                self._cond.wait()
+            self._pending[key] = self._pending.get(key, 0) + 1
+            self._todo.append((key, store, dfd, name, e))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="chemio-zarr-reaper")
+                self._thread.start()
+            self._cond.notify_all()
+
+    @staticmethod
+    def _remove(store: ZarrArrayStore, dfd: int, name: str, e: list | None) -> None:
+        try:
+            os.unlink(name, dir_fd=dfd)
+        except OSError:
+            pass                        # gone already, or a stray temporary file now
+        finally:
+            if e is not None:
+                store._dir_put(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._todo:
+                    self._cond.wait(_REAP_IDLE)
+                    if not self._todo:
+                        self._thread = None
+                        return
+                key, store, dfd, name, e = self._todo.popleft()
+            try:
+                self._remove(store, dfd, name, e)
+            finally:
+                with self._cond:
+                    left = self._pending[key] - 1
+                    if left:
+                        self._pending[key] = left
+                    else:
+                        del self._pending[key]
+                    self._cond.notify_all()
+            store = e = None                # no store kept alive by this thread
+
+    def settle(self, store: ZarrArrayStore | None = None) -> None:
+        """Wait until no file of ``store`` (None: of any store) waits for removal."""
+        with self._cond:
+            while self._pending if store is None else self._pending.get(id(store)):
+                self._cond.wait()
+
+
+_REAPER = _Reaper()
+atexit.register(_REAPER.settle)
+
+
+def _zero_view(a: np.ndarray) -> bool:
+    """Whether every byte of ``a`` (any strides) is zero, without a contiguous copy
+    (looked at whole only when its first and last elements are zero)."""
+    n = a.dtype.itemsize
+    if n not in (1, 2, 4, 8):
+        return not np.ascontiguousarray(a).reshape(-1).view(np.uint8).any()
+    u = a.view(np.dtype(f"u{n}"))
+    if u.size and (u.flat[0] or u[(-1,) * u.ndim]):
+        return False
+    return not u.any()
 
 
 def _fsync_quietly(fd: int) -> None:

@@ -1021,33 +1021,121 @@ def write_atomic(dirpath: str, name: str, data: Any, perms: int) -> None:
         os.close(fd)
 
 
-def write_atomic_at(dir_fd: int, name: str, data: Any, perms: int) -> None:
+def write_atomic_at(dir_fd: int, name: str, data: Any, perms: int,
+                    keep_old: bool = False, ordered: bool = True) -> str | None:
     """``write_atomic`` into the directory open as ``dir_fd``: the temporary file is
     created there with ``O_EXCL | O_NOFOLLOW`` and renamed within it, so nothing outside
     that directory is ever written whatever its path now resolves to. ``data`` is one
     buffer or a list of buffers written in order (``pwritev``, no joined copy); a file
     of ``PREALLOCATE_ABOVE`` bytes or more is preallocated first (``fallocate``; skipped
-    where the file system refuses, ``ENOSPC`` raised before anything is written)."""
+    where the file system refuses, ``ENOSPC`` raised before anything is written).
+
+    ``keep_old``: where ``name`` exists and the kernel can, the new file takes its place by
+    an atomic exchange (``renameat2(RENAME_EXCHANGE)``) and the name of the temporary file,
+    which now holds the replaced file, is returned: the caller removes it (freeing the old
+    file's blocks is most of a replacing rename's cost, and need not delay the writer).
+    None when the new file was renamed over ``name`` (absent, or no exchange here).
+    ``ordered`` (with ``keep_old``): the new file's write-back is started before it
+    replaces an existing ``name`` (``order_before_replace``), as ext4 does by itself for a
+    rename over a file, so that a crash leaves the old object or the new one, not an empty
+    one (a scratch array, lost in a crash anyway, passes False)."""
     parts = data if isinstance(data, list) else [data]
     views = [memoryview(p).cast("B") for p in parts]
     total = sum(len(v) for v in views)
-    tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 perms, dir_fd=dir_fd)
+    fd, tmp = temp_at(dir_fd, name, perms)
     try:
         try:
             if total >= PREALLOCATE_ABOVE:
                 preallocate(fd, total)
             pwrite_parts(fd, views, 0)
+            if keep_old and ordered:
+                order_before_replace(fd, dir_fd, name)
         finally:
             os.close(fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return install_at(dir_fd, tmp, name, keep_old)
     except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
+        discard_at(dir_fd, tmp)
         raise
+
+
+def temp_at(dir_fd: int, name: str, perms: int) -> tuple[int, str]:
+    """A new temporary file for object ``name`` in the directory open as ``dir_fd``
+    (``O_EXCL | O_NOFOLLOW``): (write descriptor, its name). Put in place with
+    ``install_at`` or removed with ``discard_at``."""
+    tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 perms, dir_fd=dir_fd)
+    return fd, tmp
+
+
+def order_before_replace(fd: int, dir_fd: int, name: str) -> None:
+    """Start the write-back of ``fd`` (``start_writeback``) when ``name`` exists in the
+    directory open as ``dir_fd``: its blocks are then allocated in the journal transaction
+    before the one that exchanges the names (ext4's ``auto_da_alloc`` does this for a
+    rename over a file, not for an exchange)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return
+    start_writeback(fd)
+
+
+def install_at(dir_fd: int, tmp: str, name: str, keep_old: bool) -> str | None:
+    """Put the written temporary file ``tmp`` in place of ``name`` atomically (see
+    ``write_atomic_at`` for ``keep_old`` and the result)."""
+    if keep_old and exchange_at(dir_fd, tmp, name):
+        return tmp
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return None
+
+
+def discard_at(dir_fd: int, tmp: str) -> None:
+    """Remove the temporary file ``tmp`` of a write that failed (quietly)."""
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+_RENAME_EXCHANGE = 2
+_exchange_fn: list = []
+
+
+def exchange_at(dir_fd: int, a: str, b: str) -> bool:
+    """Swap the entries ``a`` and ``b`` of the directory open as ``dir_fd`` atomically
+    (Linux ``renameat2(RENAME_EXCHANGE)``): True when done; False when ``b`` is absent or
+    this kernel or file system cannot (nothing changed); other failures raise ``OSError``."""
+    if not _exchange_fn:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                fn = ctypes.CDLL(None, use_errno=True).renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                               ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _exchange_fn.append((fn, ctypes))
+            except (OSError, AttributeError):
+                fn = None
+        if fn is None:
+            _exchange_fn.append((None, None))
+    fn, ctypes = _exchange_fn[0]
+    if fn is None:
+        return False
+    if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        try:
+            mode = os.stat(a, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except OSError:
+            return True
+        if not _stat.S_ISDIR(mode):
+            return True                 # b was a file (or a link): a rename's result
+        # b was a directory, which a rename would not replace: swap back, let it refuse
+        fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE)
+        return False
+    err = ctypes.get_errno()
+    if err in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
 
 
 PREALLOCATE_ABOVE = 1 << 20         # objects this large are preallocated before writing
@@ -1138,6 +1226,30 @@ def encode_shard(parts: list, shard: Shard) -> bytes | None:
     when every inner chunk is absent (the shard is not stored)."""
     bufs = shard_buffers(parts, shard)
     return None if bufs is None else b"".join(bufs)
+
+
+def shard_plan(sizes: list, shard: Shard) -> tuple[list, bytes, int, int] | None:
+    """Where the inner chunks of a shard go, given their stored sizes in bytes (C order,
+    None = absent), laid out as ``shard_buffers`` does: (file offset of each, None when
+    absent; the index bytes; the index's offset; the file size). None when every inner
+    chunk is absent (the shard is not stored)."""
+    index = np.full((len(sizes), 2), EMPTY, dtype="<u8")
+    pos = 0 if shard.index_at_end else shard.index_nbytes
+    offsets: list = []
+    for k, ln in enumerate(sizes):
+        if ln is None:
+            offsets.append(None)
+            continue
+        index[k] = (pos, ln)
+        offsets.append(pos)
+        pos += ln
+    if all(o is None for o in offsets):
+        return None
+    ib = index.tobytes()
+    if shard.index_crc:
+        ib += struct.pack("<I", crc32c(ib))
+    at = pos if shard.index_at_end else 0
+    return offsets, ib, at, pos + len(ib) if shard.index_at_end else pos
 
 
 def shard_buffers(parts: list, shard: Shard) -> list | None:
