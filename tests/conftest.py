@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 import sys
 import tempfile
 import textwrap
@@ -140,6 +141,25 @@ def store_backends() -> list[str]:
 def store(request) -> str:
     """The name of a byte backend; every test using it runs once per backend."""
     return request.param
+
+
+@pytest.fixture
+def warm_store(store) -> str:
+    """``store``, used once before the test: what a backend starts at first use and keeps
+    for the process (the I/O pool, shm's lock janitor thread, MPI's descriptors) is there
+    before a test counts threads or descriptors, whichever test happens to run first."""
+    import chemio_py as cio
+    with cio.ExclusiveFile("warm-up", "w+", backend=store) as f:
+        f.write(0, b"warm")
+        f.delete()
+    return store
+
+
+def process_threads() -> set[int]:
+    """Threads that are not the process's own: the I/O pool's and mpiio's completion thread
+    (``chemio-io*``) and shm's lock janitor (``chemio-shm-locks``) live on once started."""
+    return {t.ident for t in threading.enumerate()
+            if not t.name.startswith(("chemio-io", "chemio-shm-locks"))}
 
 
 @pytest.fixture(params=usable_backends(backends.ArrayBackend))

@@ -36,6 +36,7 @@ import mmap
 import operator
 import os
 import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -556,11 +557,15 @@ class RecordFile:
         uncompressed and in the page cache (checked against its checksum there), else read
         into ``slot`` (``_read_page``)."""
         if pm is not None and not entry[3]:
+            t0 = time.perf_counter()
             page = pm.page(entry[0], entry[2])
             if page is not None:
                 decode_page(None, entry, None, page, f"record file {self.path!r}", i,
                             self._checksum)
                 if not pm.guard.poisoned:
+                    # the records were delivered from the file: counted as read, as a
+                    # DiskArray's hot read from its mapping is
+                    self._f.stats.record("read", entry[2], t0, time.perf_counter(), entry[0])
                     return page
                 self._drop_map(pm)           # the file shrank: the read below reports it
         return self._read_page(i, slot, entry)

@@ -680,6 +680,13 @@ def test_an_open_waits_for_a_sole_holder_with_a_deadline(monkeypatch):
     from chemio_py.backends.shm import lock as lock_mod
     monkeypatch.setattr(lock_mod, "LOCK_WAIT", 0.2)
     d = tempfile.mkdtemp(dir=budget_mod.shm_dir())
+    try:
+        _sole_holder_case(d, lock_mod, fcntl)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sole_holder_case(d, lock_mod, fcntl):
     path = os.path.join(d, "held")
     holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -703,4 +710,3 @@ def test_an_open_waits_for_a_sole_holder_with_a_deadline(monkeypatch):
     fd, created = shm_mod.open_segment(path, "r+")
     os.close(fd)
     assert not created
-    shutil.rmtree(d)

@@ -21,7 +21,7 @@ from chemio_py.runtime import pool, stats, trace
 from chemio_py.errors import EndOfFileError, StorageError
 from chemio_py.prefetch import Pipeline, WriteBehind, iter_blocks
 
-from conftest import store_backends
+from conftest import process_threads, store_backends
 
 N = 6000                       # float64 elements in the test file
 
@@ -43,11 +43,8 @@ def _fds() -> int:
 
 
 def _other_threads() -> set[int]:
-    """Threads that are not the process's own: the I/O pool's and mpiio's completion thread
-    (``chemio-io*``) and shm's lock janitor (``chemio-shm-locks``) start at first use and
-    live on, so a test that happens to run first must not count them."""
-    return {t.ident for t in threading.enumerate()
-            if not t.name.startswith(("chemio-io", "chemio-shm-locks"))}
+    """Threads that are not the process's own (``conftest.process_threads``)."""
+    return process_threads()
 
 
 def _pool_idle() -> bool:
@@ -189,13 +186,11 @@ def test_prefetch_empty_and_bad_arguments():
 # ---------------------------------------------------------------- leaving early
 
 @pytest.mark.parametrize("how", ["break", "break-unnamed", "exception", "close", "with"])
-def test_leaving_early_leaves_nothing(store, how):
+def test_leaving_early_leaves_nothing(warm_store, how):
+    store = warm_store
     bs = 1 << 17                                   # 1 MiB blocks of float64
     n = 24 * bs
     model = _model(7, n)
-    with cio.ExclusiveFile("warm", "w+", backend=store) as w:   # first use starts what the
-        w.write(0, model[:bs])                                 # process keeps (MPI, ...)
-        w.delete()
     threads = _other_threads()
     fds = _fds()
     f = cio.ExclusiveFile("early", "w+", backend=store)

@@ -14,7 +14,7 @@ import chemio_py as cio
 from chemio_py.runtime import pool
 from chemio_py.errors import LimitExceededError, MetadataError, ModeError, StorageError
 
-from conftest import store_backends
+from conftest import process_threads, store_backends
 
 MiB = 1 << 20
 COMPRESSORS = [None, "zstd", "blosc"]
@@ -77,7 +77,7 @@ def _size(name: str, store: str) -> int:
 
 
 def _other_threads() -> set[int]:
-    return {t.ident for t in threading.enumerate() if not t.name.startswith("chemio-io")}
+    return process_threads()
 
 
 def _pool_idle() -> bool:
@@ -275,7 +275,8 @@ def test_damaged_file_raises_metadata_error(store, damage):
 
 @pytest.mark.parametrize("compressor", [None, "zstd"])
 @pytest.mark.parametrize("how", ["break", "exception", "close"])
-def test_replay_leaving_early_leaves_nothing(store, compressor, how):
+def test_replay_leaving_early_leaves_nothing(warm_store, compressor, how):
+    store = warm_store
     recs = _records(20_000, seed=8)
     threads = _other_threads()
     fds = len(os.listdir("/proc/self/fd"))
