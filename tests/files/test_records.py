@@ -4,7 +4,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import threading
 import time
 
 import numpy as np
