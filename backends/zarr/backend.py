@@ -182,22 +182,57 @@ def _ofd_works(fd: int) -> bool:
     return _OFD_SETLKW is not None
 
 
-def byte_lock(fd: int, at: int, take: bool) -> None:
-    """Take (``take``, waiting) or release the exclusive lock of byte ``at`` of ``fd``: an
-    open-file-description lock where the kernel has them (it also excludes the other
-    handles of this process, and closing another descriptor never drops it), else
-    ``lockf``."""
+LOCK_WAIT = 600.0          # seconds a writer waits for another process's object lock
+
+
+def _try_byte_lock(fd: int, at: int) -> bool:
+    """Take the exclusive lock of byte ``at`` of ``fd`` if nobody holds it (no wait)."""
     global _OFD_SETLKW
     if _OFD_SETLKW is not None:
-        arg = _FLOCK.pack(fcntl.F_WRLCK if take else fcntl.F_UNLCK, os.SEEK_SET, at, 1, 0)
+        arg = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, at, 1, 0)
         try:
-            fcntl.fcntl(fd, _OFD_SETLKW, arg)
-            return
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+            return True
         except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
             if e.errno != errno.EINVAL:
                 raise
             _OFD_SETLKW = None                  # a kernel before 3.15
-    fcntl.lockf(fd, fcntl.LOCK_EX if take else fcntl.LOCK_UN, 1, at)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, at)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def byte_lock(fd: int, at: int, take: bool, timeout: float | None = None) -> None:
+    """Take (``take``) or release the exclusive lock of byte ``at`` of ``fd``: an
+    open-file-description lock where the kernel has them (it also excludes the other
+    handles of this process, and closing another descriptor never drops it), else
+    ``lockf``. Taking waits at most ``timeout`` seconds (None: ``LOCK_WAIT``) for another
+    holder (a dead one lets go at once; a stopped one would hold it for ever), then raises
+    ``TimeoutError`` with nothing taken."""
+    if not take:
+        if _OFD_SETLKW is not None:
+            arg = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, at, 1, 0)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+        else:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, at)
+        return
+    if _try_byte_lock(fd, at):
+        return
+    wait = LOCK_WAIT if timeout is None else timeout
+    deadline = time.monotonic() + wait
+    delay = 1e-4
+    while not _try_byte_lock(fd, at):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(errno.ETIMEDOUT, f"byte {at} of the lock file stayed locked by "
+                               f"another writer for {wait:g} s")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.01)
 
 
 class ZarrArrayStore:
@@ -504,6 +539,14 @@ class ZarrArrayStore:
             at = at * g + i
         try:
             byte_lock(fd, at, True)
+        except TimeoutError:
+            raise StorageError(
+                errno.ETIMEDOUT, self._lock_path, None, None, "lock a storage object",
+                f"another writer (a process or another handle of this array) has held the "
+                f"lock of object {index} for more than {LOCK_WAIT:g} s: it may be stopped or "
+                f"stuck; this object was not written. Check the job's other processes; "
+                f"writes of whole storage objects (chunks {self.chunks}) and write_all under "
+                f"MPI take no lock") from None
         except OSError as e:
             raise self._lock_error(e) from e
         try:

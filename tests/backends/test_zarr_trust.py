@@ -179,6 +179,33 @@ def test_partial_writes_wait_for_the_object_lock_whole_objects_do_not(tmp_path):
     assert sorted(os.listdir(tmp_path / "l.zarr")) == ["c", "zarr.json"]   # nothing added
 
 
+@pytest.mark.skipif(not hasattr(fcntl, "F_OFD_SETLK"), reason="needs OFD locks (Linux)")
+def test_a_stuck_lock_holder_ends_in_a_clear_error_not_a_hang(tmp_path, monkeypatch):
+    """A holder that never lets go (a stopped process) held partial writers for ever; now
+    they wait ``LOCK_WAIT`` at most, fail clearly, write nothing, and the store still works."""
+    from chemio_py.backends.zarr import backend as zb
+    monkeypatch.setattr(zb, "LOCK_WAIT", 0.3)
+    st = _be().open_array(str(tmp_path / "s.zarr"), "w+", shape=(32, 32),
+                          dtype=np.dtype("i8"), chunks=(16, 16), compressor="zstd")
+    try:
+        st.write((slice(0, 16), slice(16, 32)), np.ones((16, 16), "i8"))
+        fd = _hold(st.path, 1)                 # object (0, 1), C order
+        try:
+            with pytest.raises(StorageError, match="held the lock of object") as ei:
+                st.write((slice(0, 3), slice(16, 20)), np.full((3, 4), 7, "i8"))
+            assert "not written" in str(ei.value)
+        finally:
+            os.close(fd)
+        got = np.empty((16, 16), "i8")
+        st.read((slice(0, 16), slice(16, 32)), got)
+        assert (got == 1).all()                                  # nothing changed
+        st.write((slice(0, 3), slice(16, 20)), np.full((3, 4), 7, "i8"))   # free again
+        st.read((slice(0, 16), slice(16, 32)), got)
+        assert (got[:3, :4] == 7).all() and got.sum() == 256 - 12 + 7 * 12
+    finally:
+        st.close()
+
+
 # ---------------------------------------------------------------- links swapped after use
 
 @pytest.mark.parametrize("how", ["renamed away", "removed"])
