@@ -137,6 +137,7 @@ class _Pool:
     """Long-lived I/O threads fed by a SimpleQueue of (request, fn, args)."""
 
     def __init__(self, nthreads: int):
+        self.finished = 0               # items run (progress, for the wait at exit)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._work, name=f"chemio-io_{i}", daemon=True)
                         for i in range(nthreads)]
@@ -150,6 +151,7 @@ class _Pool:
             if item is None:
                 return
             item[0]._run(item[1], item[2])
+            self.finished += 1
 
     def shutdown(self, wait: bool = True) -> None:
         for _ in self.threads:
@@ -197,6 +199,39 @@ def reset_pool(wait: bool = True) -> None:
         p.shutdown(wait=wait)
 
 
+EXIT_STALL = 300.0      # seconds the exit waits for a pool that finishes nothing
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit the queued work still runs (writes behind land), but a pool
+    that finishes nothing for ``EXIT_STALL`` seconds (a call stuck in the kernel, on a hung
+    network file system say) no longer holds the exit for ever: it is left behind with a
+    message on stderr that says so."""
+    with _pool_lock:
+        old = _pool[:]
+        _pool.clear()
+        _sync_mode.clear()
+    me = threading.current_thread()
+    for p in old:
+        p.shutdown(wait=False)
+        seen, since = p.finished, time.monotonic()
+        while True:
+            alive = [t for t in p.threads if t.is_alive() and t is not me]
+            if not alive:
+                break
+            alive[0].join(0.25)
+            now = time.monotonic()
+            if p.finished != seen:
+                seen, since = p.finished, now
+            elif now - since > EXIT_STALL:
+                import sys
+                sys.stderr.write(
+                    f"chemio_py: at exit, {len(alive)} I/O thread(s) finished nothing for "
+                    f"{EXIT_STALL:g} s (a call stuck in the kernel?); leaving without them: "
+                    f"I/O still queued or running was not done\n")
+                break
+
+
 def forget_settings() -> None:
     """Drop the cached sync mode (the next request reads the setting again)."""
     _sync_mode.clear()
@@ -223,7 +258,7 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(reset_pool)
+atexit.register(_drain_at_exit)
 
 
 def submit(fn: Callable[..., Any], *args: Any, stats: Any = None) -> Request:

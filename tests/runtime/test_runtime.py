@@ -263,3 +263,37 @@ def test_direct_io_matches_buffered(tmp_path):
         expect[100:109] = np.frombuffer(b"unaligned", np.uint8)
         np.testing.assert_array_equal(out, expect)
         fh.delete()
+
+
+def _exit_run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_exit_runs_the_queued_pool_work(tmp_path):
+    """Work queued on the I/O pool when the interpreter exits still runs (writes behind
+    land), one item after the other on a single thread."""
+    out = tmp_path / "log"
+    r = _exit_run(
+        "import time, chemio_py as cio\n"
+        "from chemio_py.runtime import pool\n"
+        "cio.configure(io_threads=1)\n"
+        f"def slow(i):\n    time.sleep(0.05)\n    open({str(out)!r}, 'a').write(f'{{i}}\\n')\n"
+        "for i in range(6):\n    pool.submit(slow, i)\n")
+    assert r.returncode == 0, r.stderr
+    assert out.read_text().split() == [str(i) for i in range(6)]
+    assert "finished nothing" not in r.stderr
+
+
+def test_exit_leaves_a_stuck_pool_with_a_message():
+    """A pool item that never ends no longer holds the exit for ever: after EXIT_STALL
+    seconds without progress the process leaves and says what it left."""
+    t0 = time.monotonic()
+    r = _exit_run(
+        "import threading\n"
+        "from chemio_py.runtime import pool\n"
+        "pool.EXIT_STALL = 0.5\n"
+        "pool.submit(threading.Event().wait)\n")
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 30
+    assert "finished nothing for 0.5 s" in r.stderr and "was not done" in r.stderr
