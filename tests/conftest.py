@@ -440,26 +440,39 @@ def _mpich_segments() -> set[str]:
 
 def reap_orphan_mpich_segments(before: set[str]) -> None:
     """Remove MPICH shared-memory segments that appeared since ``before`` and that no live
-    process maps: a job ended by MPI_Abort is SIGKILLed by hydra, which leaves them."""
+    process has mapped for ``ORPHAN_AFTER`` seconds: a job ended by MPI_Abort is SIGKILLed
+    by hydra, which leaves them. A segment seen unmapped once may be one that another
+    job's MPI_Init (the other xdist worker's) has just created and not mapped yet: removing
+    it would leave that job's ranks waiting in MPI_Init."""
     deadline = time.monotonic() + 5             # killed ranks may still be exiting
+    unmapped_since: dict[str, float] = {}
     while True:
         new = _mpich_segments() - before
+        if not new:
+            return
         mapped = set()
-        for pid in os.listdir("/proc") if new else ():
+        for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:
                     with open(f"/proc/{pid}/maps") as fh:
                         mapped.update(n for n in new if n in fh.read())
                 except OSError:
                     pass
+        now = time.monotonic()
+        for name in mapped:
+            unmapped_since.pop(name, None)
         for name in new - mapped:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
-        if not mapped or time.monotonic() > deadline:
+            if now - unmapped_since.setdefault(name, now) >= ORPHAN_AFTER:
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+        if now > deadline:
             return
         time.sleep(0.1)
+
+
+ORPHAN_AFTER = 0.5
 
 
 def run_on_tty(argv: list[str], *, columns: int = 120, timeout: float = 120,
