@@ -19,6 +19,7 @@ import os
 import queue
 import stat as _stat
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -120,6 +121,22 @@ FS_MAGIC = {0xEF53: "ext4", 0x58465342: "xfs", 0x01021994: "tmpfs", 0x9123683E: 
             0x794C7630: "overlay", 0x65735546: "fuse", 0x858458F6: "ramfs",
             0xFF534D42: "cifs", 0xFE534D42: "smb2", 0xF2F52010: "f2fs"}
 _fstatfs_fn: list[Any] = []
+
+
+def wait_until(attempt: Any, timeout: float, cap: float = 0.01) -> bool:
+    """Call ``attempt()`` until it returns True (then True), sleeping 0.1 ms, doubling up
+    to ``cap`` seconds between calls, for at most ``timeout`` seconds (then False): the
+    wait for a lock that another process might hold for ever."""
+    if attempt():
+        return True
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not attempt():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, cap)
+    return True
 
 
 def fs_type(fd: int) -> str | None:

@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 
+from chemio_py.backends.posix import wait_until
 from chemio_py.errors import ChemIOError
 
 LOCK_WAIT = 600.0               # seconds to wait for another process's exclusive lock
@@ -180,25 +181,17 @@ os.register_at_fork(after_in_child=_janitor.after_fork)
 
 def flock_fd(fd: int, op: int, timeout: float = LOCK_WAIT) -> None:
     """``flock`` that gives up with a clear error instead of waiting forever."""
-    try:
-        fcntl.flock(fd, op | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        pass
-    deadline = time.monotonic() + timeout
-    delay, cap = 1e-4, (DRAIN_GAP / 4 if op == fcntl.LOCK_EX else 0.01)
-    while True:
+    def attempt() -> bool:
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise ChemIOError(
-                    f"another process has held an exclusive lock on a shm segment for more "
-                    f"than {timeout:.0f} s (descriptor {fd}); it may be stuck: check the job's "
-                    f"other processes") from None
-            time.sleep(delay)
-            delay = min(delay * 2, cap)
+            return False
+    if not wait_until(attempt, timeout, DRAIN_GAP / 4 if op == fcntl.LOCK_EX else 0.01):
+        raise ChemIOError(
+            f"another process has held an exclusive lock on a shm segment for more "
+            f"than {timeout:.0f} s (descriptor {fd}); it may be stuck: check the job's "
+            f"other processes")
 
 
 _FLOCK_FMT = "hhxxxxqqi4x"         # struct flock on LP64 Linux
@@ -220,16 +213,9 @@ def ofd_lock_wait(fd: int, kind: int, path: str, timeout: float | None = None) -
     """``ofd_lock(fd, kind)``, waiting at most ``timeout`` seconds for another open that
     holds the segment alone (``lock_sole``: ``auto`` moving it to disk) instead of for
     ever (None: ``LOCK_WAIT``); then a ``ChemIOError`` (the caller undoes its open)."""
-    if ofd_lock(fd, kind, wait=False):
-        return
     timeout = LOCK_WAIT if timeout is None else timeout
-    deadline = time.monotonic() + timeout
-    delay = 1e-4
-    while not ofd_lock(fd, kind, wait=False):
-        if time.monotonic() > deadline:
-            raise ChemIOError(
-                f"shm segment {path!r} has been held alone by another open (a file of "
-                f"backend 'auto' moving to disk) for more than {timeout:.0f} s; it may be "
-                f"stuck: check the job's other processes. Nothing was opened")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.01)
+    if not wait_until(lambda: ofd_lock(fd, kind, wait=False), timeout):
+        raise ChemIOError(
+            f"shm segment {path!r} has been held alone by another open (a file of "
+            f"backend 'auto' moving to disk) for more than {timeout:.0f} s; it may be "
+            f"stuck: check the job's other processes. Nothing was opened")

@@ -96,6 +96,7 @@ from chemio_py.backends.posix import (
     removal_error,
     remove_dir_at,
     remove_entry_at,
+    wait_until,
 )
 from chemio_py.backends.zarr import exchange as _xchg, format as zf
 from chemio_py.errors import (
@@ -222,17 +223,10 @@ def byte_lock(fd: int, at: int, take: bool, timeout: float | None = None) -> Non
         else:
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, at)
         return
-    if _try_byte_lock(fd, at):
-        return
     wait = LOCK_WAIT if timeout is None else timeout
-    deadline = time.monotonic() + wait
-    delay = 1e-4
-    while not _try_byte_lock(fd, at):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(errno.ETIMEDOUT, f"byte {at} of the lock file stayed locked by "
-                               f"another writer for {wait:g} s")
-        time.sleep(delay)
-        delay = min(2 * delay, 0.01)
+    if not wait_until(lambda: _try_byte_lock(fd, at), wait):
+        raise TimeoutError(errno.ETIMEDOUT, f"byte {at} of the lock file stayed locked by "
+                           f"another writer for {wait:g} s")
 
 
 class ZarrArrayStore:
@@ -807,7 +801,8 @@ class ZarrArrayStore:
                 if data is None:
                     os.unlink(name, dir_fd=dfd)
                 else:
-                    old = self._write_streamed(dfd, name, *data) if streamed else \
+                    old = zf.write_filled_at(dfd, name, self._perms, data[0], data[1], True,
+                                             self._durable) if streamed else \
                         zf.write_atomic_at(dfd, name, data, self._perms, True, self._durable)
                     if old is not None:             # the replaced object, now named old:
                         _REAPER.add(self, dfd, old, e)   # removed off this thread
@@ -826,23 +821,6 @@ class ZarrArrayStore:
                     self._dir_put(e)
             self._mark(rel, None if data is None else name)
             return
-
-    def _write_streamed(self, dfd: int, name: str, n: int, fill: Any) -> str | None:
-        """``write_atomic_at`` of an object that ``fill(fd)`` writes (``n`` bytes)."""
-        fd, tmp = zf.temp_at(dfd, name, self._perms)
-        try:
-            try:
-                if n >= zf.PREALLOCATE_ABOVE:
-                    zf.preallocate(fd, n)
-                fill(fd)
-                if self._durable:
-                    zf.order_before_replace(fd, dfd, name)
-            finally:
-                os.close(fd)
-            return zf.install_at(dfd, tmp, name, True)
-        except BaseException:
-            zf.discard_at(dfd, tmp)
-            raise
 
     def _mark(self, rel: str, name: str | None) -> None:
         """Remember for ``flush``: object ``name`` in key directory ``rel`` (None: only

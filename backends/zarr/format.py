@@ -1041,13 +1041,20 @@ def write_atomic_at(dir_fd: int, name: str, data: Any, perms: int,
     one (a scratch array, lost in a crash anyway, passes False)."""
     parts = data if isinstance(data, list) else [data]
     views = [memoryview(p).cast("B") for p in parts]
-    total = sum(len(v) for v in views)
+    return write_filled_at(dir_fd, name, perms, sum(len(v) for v in views),
+                           lambda fd: pwrite_parts(fd, views, 0), keep_old, ordered)
+
+
+def write_filled_at(dir_fd: int, name: str, perms: int, nbytes: int, fill: Any,
+                    keep_old: bool = False, ordered: bool = True) -> str | None:
+    """``write_atomic_at`` of an object of ``nbytes`` that ``fill(fd)`` writes into the
+    temporary file (at any offsets, from any threads, before it returns)."""
     fd, tmp = temp_at(dir_fd, name, perms)
     try:
         try:
-            if total >= PREALLOCATE_ABOVE:
-                preallocate(fd, total)
-            pwrite_parts(fd, views, 0)
+            if nbytes >= PREALLOCATE_ABOVE:
+                preallocate(fd, nbytes)
+            fill(fd)
             if keep_old and ordered:
                 order_before_replace(fd, dir_fd, name)
         finally:
