@@ -31,7 +31,8 @@ import numpy.ctypeslib  # noqa: F401 - imported lazily, it races between pool th
 from chemio_py.backends import posix
 from chemio_py.backends.contract import Region
 from chemio_py.backends.local import io_uring, linux_aio
-from chemio_py.backends.local.mappings import ReadMap, live_maps, drop_map, map_cap, maps_lock
+from chemio_py.backends.local.mappings import (ReadMap, drop_map, live_maps, make_room,
+                                               map_cap, maps_lock)
 from chemio_py.backends.posix import (
     DIRECT_ALIGN,
     ScratchPlaces,
@@ -779,10 +780,7 @@ class LocalArrayStore(_PosixFile):
                 cap = map_cap()
                 if n > cap:
                     return None
-                total = sum(x.nbytes for x in live_maps.values())
-                while live_maps and total + n > cap:
-                    total -= next(iter(live_maps.values())).nbytes
-                    drop_map(next(iter(live_maps)))
+                make_room(n, cap)
                 addr = posix.map_file(self._fd, n)
                 if addr is None:
                     return None

@@ -60,6 +60,15 @@ def drop_map(key: int) -> None:
             m.release()
 
 
+def make_room(n: int, cap: int) -> None:
+    """Drop the least recently used mappings until ``n`` more bytes fit under ``cap``
+    (the caller holds ``maps_lock``)."""
+    total = sum(x.nbytes for x in live_maps.values())
+    while live_maps and total + n > cap:
+        total -= next(iter(live_maps.values())).nbytes
+        drop_map(next(iter(live_maps)))
+
+
 def drop_mappings() -> None:
     """Unmap every array file mapped for cached reads (their pages stay in the page cache,
     where ``posix_fadvise(DONTNEED)`` and memory pressure can now drop them)."""

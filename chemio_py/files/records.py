@@ -859,12 +859,8 @@ class _PageMap:
             return None
         pm = cls(owner, view, guard)
         with mappings.maps_lock:
-            live = mappings.live_maps
-            total = sum(x.nbytes for x in live.values())
-            while live and total + size > cap:
-                total -= next(iter(live.values())).nbytes
-                mappings.drop_map(next(iter(live)))
-            live[id(pm)] = pm  # type: ignore[assignment]  # (a ReadMap look-alike)
+            mappings.make_room(size, cap)
+            mappings.live_maps[id(pm)] = pm  # type: ignore[assignment]  # (a ReadMap look-alike)
         return pm
 
     def page(self, off: int, n: int) -> np.ndarray | None:
