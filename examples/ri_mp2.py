@@ -13,9 +13,10 @@
    A second pass reads each rank's rows of L (``iter_blocks`` read-ahead), applies the
    fitting metric, B = L^-1 (Q|ia) with J = L L^T, and writes B[i,a,P] (shape (nocc, nvir,
    naux), one chunk per block of the energy loop) behind the computation (``WriteBehind``).
-3. The energy loop takes i-blocks (dealt out by ``cio.sync.Counter``, read ahead with
-   ``cio.prefetch``) and, for each, reads the j-blocks j >= i with ``iter_blocks``
-   read-ahead:  E = sum_ijab (ia|jb) [2 (ia|jb) - (ib|ja)] / (e_i + e_j - e_a - e_b),
+3. The energy loop takes i-blocks (dealt out by ``cio.sync.Counter``) and, for each,
+   the j-blocks j >= i, all as one ``cio.prefetch`` stream of block pairs (the read-ahead
+   runs on from one pass into the next; a pass's first j-block is its i-block, kept):
+   E = sum_ijab (ia|jb) [2 (ia|jb) - (ib|ja)] / (e_i + e_j - e_a - e_b),
    one BLAS product per pair of blocks. The block size comes from ``--max-memory`` so
    that B need not fit in memory; the script reports how many passes over B that took.
    ``--dask`` computes the same energy again through ``B.to_dask()``.
@@ -66,15 +67,15 @@ def _api():
 def block_rows(nocc: int, nvir: int, naux: int, max_memory_mb: float | None, depth: int) -> int:
     """Occupied rows per block so that the energy loop's buffers fit in ``max_memory``.
 
-    Buffers: (depth + 1) i-blocks and (depth + 1) j-blocks of b*nvir*naux doubles, the
-    nvir*b*nvir product of one occupied row with a j-block and three nvir*nvir work
+    Buffers: one held i-block and (depth + 1) j-blocks read ahead, of b*nvir*naux
+    doubles, the nvir*b*nvir product of one occupied row with a j-block and three nvir*nvir work
     arrays. Without a budget: all rows in one block. At least one row.
     """
     if max_memory_mb is None:
         return nocc
     budget = max_memory_mb * 1e6
     for b in range(nocc, 0, -1):
-        need = 8 * (2 * (depth + 1) * b * nvir * naux + b * nvir * nvir + 3 * nvir * nvir)
+        need = 8 * ((depth + 2) * b * nvir * naux + b * nvir * nvir + 3 * nvir * nvir)
         if need <= budget:
             return b
     return 1
@@ -313,23 +314,31 @@ def main(argv: list[str] | None = None) -> int:
         passes = 0
         work = [np.add.outer(ev, ev), np.empty((nvir, nvir)), np.empty((nvir, nvir))]
 
-        def read_iblock(ib, buf):
-            lo, hi = ib * rows, min((ib + 1) * rows, nocc)
-            return B.aread((slice(lo, hi), slice(0, nvir), slice(0, naux)),
-                           buf[:hi - lo])
+        def pairs():
+            """(i-block, j-block) for j >= i over this rank's i-blocks: one stream, so the
+            read-ahead runs on across passes; a pass's first j-block is its i-block."""
+            for ib in loop.tasks(nblk):
+                for jb in range(ib, nblk):
+                    yield ib, jb
+
+        def read_jblock(key, buf):
+            lo, hi = key[1] * rows, min((key[1] + 1) * rows, nocc)
+            return B.aread((slice(lo, hi), slice(0, nvir), slice(0, naux)), buf[:hi - lo])
 
         make = lambda: np.empty((rows, nvir, naux))  # noqa: E731
-        iblocks = cio.prefetch(read_iblock, loop.tasks(nblk), make, depth=args.depth,
-                               name="ri_mp2 i-blocks")
-        for ib, bi in run.progress(iblocks, "i-blocks", total=nblk if comm.size == 1 else None,
-                                   unit="block"):
+        bi = np.empty((rows, nvir, naux))          # the pass's i-block, held while j streams
+        stream = cio.prefetch(read_jblock, pairs(), make, depth=args.depth,
+                              name="ri_mp2 j-blocks")
+        for (ib, jb), bj in run.progress(stream, "block pairs", unit="pair",
+                                         total=nblk * (nblk + 1) // 2 if comm.size == 1
+                                         else None):
             lo, hi = ib * rows, min((ib + 1) * rows, nocc)
-            passes += 1
-            for sec, bj in B.iter_blocks(size=rows, start=lo, depth=args.depth,
-                                         name="ri_mp2 j-blocks"):
-                jlo, jhi = sec[0].start, sec[0].stop
-                e_local += pair_energy(bi, bj, eo[lo:hi], eo[jlo:jhi], ev,
-                                       diagonal=jlo == lo, work=work)
+            jlo, jhi = jb * rows, min((jb + 1) * rows, nocc)
+            if jb == ib:
+                passes += 1
+                np.copyto(bi[:hi - lo], bj)
+            e_local += pair_energy(bi[:hi - lo], bj, eo[lo:hi], eo[jlo:jhi], ev,
+                                   diagonal=jb == ib, work=work)
         e_corr = float(comm.allreduce(e_local, "sum"))
         passes = int(comm.allreduce(passes, "sum"))
         loop.free()
