@@ -224,12 +224,17 @@ class Engine(TokenReaper):
         return requests.shielded_start(self._submit, write, fd, address, nbytes, offset,
                                        keep, then, stats)
 
+    def _before_submit(self, stats: Any, keep: Any, then: Callable, n: int,
+                       group: bool) -> _Req:
+        """The submitter collects what has finished and keeps the reaper away (GRACE)."""
+        if self._busy:
+            self._poll_step()
+        self._last_wait = time.perf_counter()
+        return _Req(self, stats, keep, then, n, group)
+
     def _submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
                 keep: Any, then: Callable, stats: Any) -> requests.Request | None:
-        if self._busy:
-            self._poll_step()               # the submitter collects what has finished
-        self._last_wait = time.perf_counter()   # and keeps the reaper away (GRACE)
-        req = _Req(self, stats, keep, then, 1, False)
+        req = self._before_submit(stats, keep, then, 1, False)
         with self._lock:
             if not self._free:
                 return None                 # the kernel queue is full: use the pool
@@ -270,11 +275,8 @@ class Engine(TokenReaper):
 
     def _submit_many(self, write: bool, fd: int, addresses: Any, sizes: Any, offsets: Any,
                      keep: Any, then: Callable, stats: Any) -> requests.Request | None:
-        if self._busy:
-            self._poll_step()               # the submitter collects what has finished
-        self._last_wait = time.perf_counter()   # and keeps the reaper away (GRACE)
         n = len(offsets)
-        req = _Req(self, stats, keep, then, n, True)
+        req = self._before_submit(stats, keep, then, n, True)
         gfree = self._gfree
         with self._lock:
             if n <= BLOCK and gfree:
