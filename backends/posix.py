@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import queue
 import stat as _stat
+import struct
 import threading
 import time
 from typing import Any
@@ -121,6 +123,23 @@ FS_MAGIC = {0xEF53: "ext4", 0x58465342: "xfs", 0x01021994: "tmpfs", 0x9123683E: 
             0x794C7630: "overlay", 0x65735546: "fuse", 0x858458F6: "ramfs",
             0xFF534D42: "cifs", 0xFE534D42: "smb2", 0xF2F52010: "f2fs"}
 _fstatfs_fn: list[Any] = []
+
+
+FLOCK = struct.Struct("@hhqqi4x")      # struct flock on 64-bit Linux
+
+
+def ofd_lock(fd: int, kind: int, wait: bool = False, at: int = 0) -> bool:
+    """An open-file-description lock (F_RDLCK / F_WRLCK / F_UNLCK) on byte ``at`` of
+    ``fd``; False when another holder has it and ``wait`` is False. OSError otherwise
+    (EINVAL: a kernel before 3.15, without such locks)."""
+    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, cmd, FLOCK.pack(kind, os.SEEK_SET, at, 1, 0))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
 
 
 def wait_until(attempt: Any, timeout: float, cap: float = 0.01) -> bool:

@@ -11,15 +11,13 @@
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import struct
 import threading
 import time
 import weakref
 
-from chemio_py.backends.posix import wait_until
+from chemio_py.backends.posix import ofd_lock, wait_until
 from chemio_py.errors import ChemIOError
 
 LOCK_WAIT = 600.0               # seconds to wait for another process's exclusive lock
@@ -192,21 +190,6 @@ def flock_fd(fd: int, op: int, timeout: float = LOCK_WAIT) -> None:
             f"another process has held an exclusive lock on a shm segment for more "
             f"than {timeout:.0f} s (descriptor {fd}); it may be stuck: check the job's "
             f"other processes")
-
-
-_FLOCK_FMT = "hhxxxxqqi4x"         # struct flock on LP64 Linux
-
-
-def ofd_lock(fd: int, kind: int, wait: bool) -> bool:
-    """Open-file-description lock on byte 0 (F_RDLCK / F_WRLCK / F_UNLCK); False if busy."""
-    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
-    try:
-        fcntl.fcntl(fd, cmd, struct.pack(_FLOCK_FMT, kind, os.SEEK_SET, 0, 1, 0))
-        return True
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
 
 
 def ofd_lock_wait(fd: int, kind: int, path: str, timeout: float | None = None) -> None:

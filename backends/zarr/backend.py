@@ -75,7 +75,6 @@ import itertools
 import math
 import os
 import stat as _stat
-import struct
 import sys
 import threading
 import time
@@ -96,6 +95,8 @@ from chemio_py.backends.posix import (
     removal_error,
     remove_dir_at,
     remove_entry_at,
+    FLOCK,
+    ofd_lock,
     wait_until,
 )
 from chemio_py.backends.zarr import exchange as _xchg, format as zf
@@ -163,9 +164,8 @@ def _in_process_locks() -> list:
     return [threading.Lock() for _ in range(_STRIPES)]
 
 
-_FLOCK = struct.Struct("@hhqqi4x")      # struct flock on 64-bit Linux
 _OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None) \
-    if sys.platform.startswith("linux") and _FLOCK.size == 32 else None
+    if sys.platform.startswith("linux") and FLOCK.size == 32 else None
 _OFD_PROBED = False
 
 
@@ -175,7 +175,7 @@ def _ofd_works(fd: int) -> bool:
     global _OFD_SETLKW, _OFD_PROBED
     if _OFD_SETLKW is not None and not _OFD_PROBED:
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+            fcntl.fcntl(fd, fcntl.F_OFD_GETLK, FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
         except OSError as e:
             if e.errno == errno.EINVAL:
                 _OFD_SETLKW = None
@@ -190,13 +190,9 @@ def _try_byte_lock(fd: int, at: int) -> bool:
     """Take the exclusive lock of byte ``at`` of ``fd`` if nobody holds it (no wait)."""
     global _OFD_SETLKW
     if _OFD_SETLKW is not None:
-        arg = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, at, 1, 0)
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
-            return True
+            return ofd_lock(fd, fcntl.F_WRLCK, at=at)
         except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                return False
             if e.errno != errno.EINVAL:
                 raise
             _OFD_SETLKW = None                  # a kernel before 3.15
@@ -218,8 +214,7 @@ def byte_lock(fd: int, at: int, take: bool, timeout: float | None = None) -> Non
     ``TimeoutError`` with nothing taken."""
     if not take:
         if _OFD_SETLKW is not None:
-            arg = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, at, 1, 0)
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+            ofd_lock(fd, fcntl.F_UNLCK, at=at)
         else:
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, at)
         return
