@@ -60,8 +60,9 @@ Size (issue 28 item 6): an array of 64 MiB storage objects (1024 x 8192 float64 
 blocks; ``SIZE_GIB`` in all, quick: ``SIZE_GIB_QUICK``; ``--size-gib N`` or
 ``CHEMIO_BENCH_ZARR_GIB`` sets it: the issue's case is 32 GiB, larger than RAM), written block
 by block and made durable, then read back cold block by block into one reused buffer. Methods,
-interleaved in rotating order in every round, each round into fresh files (the previous
-round's removed untimed): ``raw`` — one file, ``os.pwritev`` of each block at its offset
+interleaved in rotating order in every round, each method written, evicted, read back and
+removed before the next (so only one method's files are on disk: 32 GiB needs 32 GiB free,
+plus the zstd ones): ``raw`` — one file, ``os.pwritev`` of each block at its offset
 then ``fsync``; reads ``os.preadv`` into the buffer (the baseline); chemio persistent
 ``DiskArray`` on ``zarr`` ``write`` of each block then ``flush()`` / ``read(block, out=)``,
 uncompressed unsharded (``inner_chunks=False``), uncompressed sharded (default inner chunks)
@@ -74,8 +75,8 @@ first element). Targets: uncompressed chemio >= 0.9x raw on write and read; zstd
 ceiling. Ranges over ``SIZE_ROUNDS`` rounds; the note says ``uptime``'s load.
 
 Run alone: ``python benchmarks/bench_zarr.py [--full] [--size-only | --small-only]
-[--size-gib N] [--notes]`` (``--small-only``: the small-object rows against TensorStore and
-zarr-python alone, the quick check for issue 28 item 4).
+[--size-gib N] [--size-rounds N] [--notes]`` (``--small-only``: the small-object rows
+against TensorStore and zarr-python alone, the quick check for issue 28 item 4).
 """
 from __future__ import annotations
 
@@ -704,6 +705,9 @@ class _SizeRaw:
         return [self.path]
 
     def fresh(self) -> None:
+        self.remove()
+
+    def remove(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
 
@@ -748,8 +752,11 @@ class _SizeChemio(_SizeRaw):
     def files(self) -> list[str]:
         return _files_under(self.path)
 
-    def fresh(self) -> None:
+    def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+    def fresh(self) -> None:
+        self.remove()
         shape = (self.nblocks * SIZE_BLOCK[0], SIZE_BLOCK[1])
         opts = _chemio_options(self.codec, None)
         if self.inner is not None:
@@ -799,8 +806,11 @@ class _SizeCeiling(_SizeRaw):
     def files(self) -> list[str]:
         return _files_under(self.dir)
 
-    def fresh(self) -> None:
+    def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def fresh(self) -> None:
+        self.remove()
         os.makedirs(self.dir)
 
     def _tiles(self) -> list[tuple]:
@@ -895,15 +905,14 @@ def size_case(quick: bool, workdir: str, gib: float | None = None,
     try:
         for rnd in range(rounds):
             order = ms[rnd % len(ms):] + ms[:rnd % len(ms)]
-            for m in order:
+            for m in order:     # one method's files on disk at a time: 32 GiB fits 5 times
                 m.fresh()
                 t, _ = _timed(lambda: m.write_all(block_of))  # noqa: B023 - called here
                 times.setdefault((m.name, "write"), []).append(t)
                 evict(*m.files())
-            for m in order:
-                evict(*m.files())
                 t, _ = _timed(lambda: m.read_all(out, check))  # noqa: B023 - called here
                 times.setdefault((m.name, "read"), []).append(t)
+                m.remove()
             loads.append(_uptime())
     finally:
         pool.shutdown()
@@ -1047,8 +1056,10 @@ if __name__ == "__main__":
         quick = "--full" not in sys.argv
         if "--size-gib" in sys.argv:
             os.environ["CHEMIO_BENCH_ZARR_GIB"] = sys.argv[sys.argv.index("--size-gib") + 1]
+        n_rounds = (int(sys.argv[sys.argv.index("--size-rounds") + 1])
+                    if "--size-rounds" in sys.argv else SIZE_ROUNDS)
         with tempfile.TemporaryDirectory(prefix="bench-zarr-") as d:
-            rows = size_case(quick, d) if "--size-only" in sys.argv else \
+            rows = size_case(quick, d, rounds=n_rounds) if "--size-only" in sys.argv else \
                 run(quick, d, "--small-only" in sys.argv)
             for r in rows:
                 ratio = "" if r["ratio"] is None else f"  x{r['ratio']:.2f}"
