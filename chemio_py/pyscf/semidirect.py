@@ -151,17 +151,22 @@ class _Batch:
 
 
 class _Kernels:
-    """PySCF's in-core s8 row kernels (libcvhf), callable with plain ints."""
+    """PySCF's in-core s8 row kernels (libcvhf), called with pointers as ``c_void_p`` and
+    ints as plain ints.
+
+    Plain ``CDLL`` function objects (``restype`` None, no ``argtypes``): a call costs about
+    a third of one through a ``CFUNCTYPE`` prototype, and a cycle makes one per (i, j) row
+    per density per kernel.
+    """
 
     def __init__(self) -> None:
         from pyscf.scf import _vhf
-        proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int, ctypes.c_int, ctypes.c_int)
+        lib = _vhf.libcvhf
 
         def fn(name: str) -> Any:
-            addr = ctypes.cast(getattr(_vhf.libcvhf, name), ctypes.c_void_p).value
-            assert addr is not None, name
-            return proto(addr)
+            f = lib._FuncPtr((name, lib))      # our own object: PySCF's stays as it was
+            f.restype = None
+            return f
         self.vj = fn("CVHFics8_tridm_vj")
         self.vk_s2 = fn("CVHFics8_jk_s2il")
         self.vk_s1 = fn("CVHFics8_jk_s1il")
@@ -194,26 +199,30 @@ class _Contraction:
         for _ in range(max(1, threads)):
             vj = np.zeros((n_dm, n, n)) if with_j else None
             vk = np.zeros((n_dm, n, n)) if with_k else None
-            calls: list[tuple[Any, int, int]] = []          # (kernel, dm, v) pointers
+            calls: list[tuple[Any, Any, Any]] = []          # (kernel, dm, v) pointers
             if vj is not None and tri is not None:
-                calls += [(kern.vj, tri[x].ctypes.data, vj[x].ctypes.data)
-                          for x in range(n_dm)]
+                calls += [(kern.vj, _ptr(tri[x]), _ptr(vj[x])) for x in range(n_dm)]
             if vk is not None:
-                calls += [(fk, dms[x].ctypes.data, vk[x].ctypes.data) for x in range(n_dm)]
+                calls += [(fk, _ptr(dms[x]), _ptr(vk[x])) for x in range(n_dm)]
             self.accs.append((vj, vk, calls))
 
     def _rows(self, rows: list, base: int, packed: bool, calls: list) -> None:
         n = self.n
-        if packed:
-            for i, j, off, _, _ in rows:
-                p = base + 8 * off
-                for f, d, v in calls:
-                    f(p, d, v, n, i, j)
-        else:
-            for i, j, _, boff, _ in rows:
-                p = base + 8 * boff
-                for f, d, v in calls:
-                    f(p, d, v, n, i, j)
+        p = ctypes.c_void_p()                  # this thread's row pointer, reset per row
+        at = 2 if packed else 3                # the row's offset in the record / the buffer
+        if len(calls) == 2:                    # one density, J and K: the common case
+            (f, d, v), (g, e, w) = calls
+            for r in rows:
+                p.value = base + 8 * r[at]
+                i, j = r[0], r[1]
+                f(p, d, v, n, i, j)
+                g(p, e, w, n, i, j)
+            return
+        for r in rows:
+            p.value = base + 8 * r[at]
+            i, j = r[0], r[1]
+            for f, d, v in calls:
+                f(p, d, v, n, i, j)
 
     def add(self, batch: _Batch, base: int, packed: bool) -> None:
         """Add ``batch``'s share: its rows start at address ``base`` (packed or intor buffer)."""
@@ -744,6 +753,11 @@ class SemiDirectJK:
         s = self.stats
         return (f"<SemiDirectJK {self.name}: {s.get('stored_batches', 0)} batches cached, "
                 f"{s.get('direct_batches', 0)} direct, {self.calls} calls>")
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    """The address of ``a``'s data as a ``c_void_p`` (the caller keeps ``a`` alive)."""
+    return ctypes.c_void_p(a.ctypes.data)
 
 
 def _timed(fn: Any, *args: Any) -> float:
