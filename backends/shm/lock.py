@@ -41,8 +41,8 @@ class Gate:
     With ``fd=None`` it is a plain readers/writer lock.
     """
 
-    __slots__ = ("_fd", "_cv", "_inside", "_excl", "_waiting", "_held", "_drain", "_drained",
-                 "_since", "_last", "size", "__weakref__")
+    __slots__ = ("_fd", "_cv", "_inside", "_excl", "_waiting", "_held", "_taking", "_drain",
+                 "_drained", "_since", "_last", "size", "__weakref__")
 
     def __init__(self, fd: int | None):
         self._fd = fd
@@ -51,6 +51,7 @@ class Gate:
         self._excl = False
         self._waiting = 0
         self._held = False          # the shared flock is held
+        self._taking = False        # a thread is waiting for it (outside ``_cv``)
         self._drain = False         # the janitor asked for the lock to be let go
         self._drained = False       # ... and it was: wait DRAIN_GAP before taking it again
         self._since = 0.0
@@ -60,22 +61,35 @@ class Gate:
     def enter(self) -> None:
         with self._cv:
             while True:
-                while self._excl or self._waiting or self._drain:
+                while self._excl or self._waiting or self._drain or self._taking:
                     self._cv.wait()
                 if self._held or self._fd is None:
-                    break
+                    self._inside += 1
+                    return
                 pause = self._last + DRAIN_GAP - time.monotonic() if self._drained else 0.0
                 if pause > 0:                   # let a waiting shrinker in after a drain
                     self._cv.wait(pause)
                     continue
                 self._drained = False
-                flock_fd(self._fd, fcntl.LOCK_SH)
-                self._held = True
-                self._since = time.monotonic()
-                self.size = -1
-                _janitor.watch(self)
+                self._taking = True
                 break
+        # The wait for the shared lock (up to LOCK_WAIT) is outside the gate's own lock:
+        # the janitor, which serves every store of the process, must never block on it.
+        try:
+            flock_fd(self._fd, fcntl.LOCK_SH)
+        except BaseException:
+            with self._cv:
+                self._taking = False
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            self._taking = False
+            self._held = True
+            self._since = time.monotonic()
+            self.size = -1
             self._inside += 1
+            self._cv.notify_all()
+        _janitor.watch(self)
 
     def leave(self) -> None:
         with self._cv:
@@ -117,7 +131,7 @@ class Gate:
         with self._cv:
             self._waiting += 1
             try:
-                while self._excl or self._inside:
+                while self._excl or self._inside or self._taking:
                     self._cv.wait()
             finally:
                 self._waiting -= 1
@@ -166,6 +180,7 @@ class _Janitor:
         # it must not unlock them; it starts with no janitor and re-locks on next use.
         for g in list(self._gates):
             g._held = False
+            g._taking = False
             g._drain = False
             g.size = -1
         self._gates = weakref.WeakSet()

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -710,3 +711,46 @@ def _sole_holder_case(d, lock_mod, fcntl):
     fd, created = shm_mod.open_segment(path, "r+")
     os.close(fd)
     assert not created
+
+
+def test_a_gate_waiting_for_its_lock_holds_up_no_one_else(tmp_path):
+    """A thread whose ``Gate.enter`` waits for the shared lock (another open holds it
+    exclusively: a shrinker) waits outside the gate's own lock, so the janitor's ``tick``,
+    which serves every store of the process, answers at once (it used to block for as long
+    as the wait, up to ``LOCK_WAIT``); once the holder lets go the thread gets in."""
+    import fcntl
+    from chemio_py.backends.shm import lock as lock_mod
+    path = str(tmp_path / "seg")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    holder = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        gate = lock_mod.Gate(fd)
+        inside = threading.Event()
+
+        def enter():
+            gate.enter()
+            inside.set()
+        t = threading.Thread(target=enter, daemon=True)
+        t.start()
+        time.sleep(0.05)
+        assert not inside.is_set()                  # still waiting for the shared lock
+        ticked: list = []
+        ticker = threading.Thread(target=lambda: ticked.append(gate.tick(time.monotonic())),
+                                  daemon=True)
+        ticker.start()
+        ticker.join(2)
+        waited = ticker.is_alive()
+        fcntl.flock(holder, fcntl.LOCK_UN)          # (lets a blocked tick end, too)
+        ticker.join(5)
+        assert not waited and ticked == [False]     # not held yet, and no wait
+        assert inside.wait(5)
+        t.join(5)
+        assert gate.tick(time.monotonic()) is True   # now held, with one thread inside
+        gate.leave()
+        gate.enter_excl()                           # nobody inside: exclusive, lock dropped
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        gate.leave_excl()
+    finally:
+        os.close(holder)
+        os.close(fd)
