@@ -7,10 +7,11 @@
   ``python -m mpi4py`` (an exception on one rank aborts the job instead of hanging it).
 * After every test the process's scratch is cleaned as at exit and the scratch root must be
   empty; at the end no new chemio segment may remain in the shm directory.
-* Under pytest-xdist (``-n N``) each worker has its own scratch root and its own shm
-  directory (a fresh directory inside ``CHEMIO_SHM_DIR``, default /dev/shm); a worker checks
-  those for leftovers at its end and the controller, once every worker has ended, reports them
-  with its own check of /dev/shm (MPICH segments). Tests marked ``alone`` (listed in
+* Every run has its own shm directory (a fresh directory inside ``CHEMIO_SHM_DIR``, default
+  /dev/shm), so another job's segments are never taken for leaks. Under pytest-xdist
+  (``-n N``) each worker has its own scratch root and shm directory (inside the controller's);
+  a worker checks those for leftovers at its end and the controller, once every worker has
+  ended, reports them with its own check of /dev/shm (MPICH segments). Tests marked ``alone`` (listed in
   ``ALONE`` below: they look at machine-wide state) run while no other worker runs a test.
   A plain serial run behaves as without xdist.
 """
@@ -46,13 +47,14 @@ SCRATCH_ROOT = _INHERITED if _HELPER_PROCESS else tempfile.mkdtemp(prefix="cio-t
 os.environ["CHEMIO_SCRATCH"] = SCRATCH_ROOT
 if not _HELPER_PROCESS:
     os.environ["CIO_TESTS_OWNER"] = f"{os.getpid()} {WORKER or '-'}"
-# A worker's own shm directory: its segments, budget and leak check are not the other workers'.
-_WORKER_SHM = None
-if WORKER and not _HELPER_PROCESS:
+# The run's own shm directory (a worker's inside the controller's): its segments, budget and
+# leak check are not another worker's, nor another job's on the same machine.
+_OWN_SHM = None
+if not _HELPER_PROCESS:
     try:
-        _WORKER_SHM = tempfile.mkdtemp(prefix=f"cio-tests-{WORKER}-",
-                                       dir=os.environ.get("CHEMIO_SHM_DIR") or "/dev/shm")
-        os.environ["CHEMIO_SHM_DIR"] = _WORKER_SHM
+        _OWN_SHM = tempfile.mkdtemp(prefix=f"cio-tests-{WORKER or 'run'}-",
+                                    dir=os.environ.get("CHEMIO_SHM_DIR") or "/dev/shm")
+        os.environ["CHEMIO_SHM_DIR"] = _OWN_SHM
     except OSError:                                 # no writable shm dir: tests will say so
         pass
 # Bytecode for the processes tests start (python -c, mpiexec ranks, CLIs): with
@@ -301,10 +303,10 @@ def pytest_sessionfinish(session, exitstatus):
     if workerinput is not None:
         # An xdist worker: its own scratch root and shm dir; /dev/shm is the controller's.
         shm_left = []
-        if _WORKER_SHM:
-            shm_left = sorted(os.path.join(_WORKER_SHM, n) for n in os.listdir(_WORKER_SHM)
+        if _OWN_SHM:
+            shm_left = sorted(os.path.join(_OWN_SHM, n) for n in os.listdir(_OWN_SHM)
                               if "chemio" in n)
-            shutil.rmtree(_WORKER_SHM, ignore_errors=True)
+            shutil.rmtree(_OWN_SHM, ignore_errors=True)
         session.config.workeroutput["cio_pid"] = os.getpid()
         session.config.workeroutput["cio_leaks"] = (
             [f"{WORKER}: scratch root {left[:10]}"] if left else []) + (
@@ -315,6 +317,8 @@ def pytest_sessionfinish(session, exitstatus):
     shm_left = sorted(p for p in _shm_entries() - _SHM_BEFORE
                       if not any(os.path.basename(p).startswith(f"mpich_shm_{pid:x}_")
                                  for pid in _WORKER_PIDS))
+    if _OWN_SHM:
+        shutil.rmtree(_OWN_SHM, ignore_errors=True)
     locks = os.environ.pop("CIO_TESTS_LOCKS", None)
     if locks:
         shutil.rmtree(locks, ignore_errors=True)
