@@ -1055,8 +1055,8 @@ def write_filled_at(dir_fd: int, name: str, perms: int, nbytes: int, fill: Any,
             if nbytes >= PREALLOCATE_ABOVE:
                 preallocate(fd, nbytes)
             fill(fd)
-            if keep_old and ordered:
-                order_before_replace(fd, dir_fd, name)
+            if keep_old and ordered and not order_before_replace(fd, dir_fd, name):
+                keep_old = False                # absent: a plain rename, no exchange tried
         finally:
             os.close(fd)
         return install_at(dir_fd, tmp, name, keep_old)
@@ -1075,16 +1075,17 @@ def temp_at(dir_fd: int, name: str, perms: int) -> tuple[int, str]:
     return fd, tmp
 
 
-def order_before_replace(fd: int, dir_fd: int, name: str) -> None:
+def order_before_replace(fd: int, dir_fd: int, name: str) -> bool:
     """Start the write-back of ``fd`` (``start_writeback``) when ``name`` exists in the
     directory open as ``dir_fd``: its blocks are then allocated in the journal transaction
     before the one that exchanges the names (ext4's ``auto_da_alloc`` does this for a
-    rename over a file, not for an exchange)."""
+    rename over a file, not for an exchange). Whether ``name`` exists."""
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
-        return
+        return False
     start_writeback(fd)
+    return True
 
 
 def install_at(dir_fd: int, tmp: str, name: str, keep_old: bool) -> str | None:
