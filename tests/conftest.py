@@ -11,8 +11,9 @@
   /dev/shm), so another job's segments are never taken for leaks. Under pytest-xdist
   (``-n N``) each worker has its own scratch root and shm directory (inside the controller's);
   a worker checks those for leftovers at its end and the controller, once every worker has
-  ended, reports them with its own check of /dev/shm (MPICH segments). Tests marked ``alone`` (listed in
-  ``ALONE`` below: they look at machine-wide state) run while no other worker runs a test.
+  ended, reports them with its own check of /dev/shm (MPICH segments). Tests marked
+  ``alone`` (listed in ``ALONE`` below: they look at machine-wide state) run while no other
+  worker runs a test.
   A plain serial run behaves as without xdist.
 """
 from __future__ import annotations
