@@ -22,9 +22,12 @@ The grouped calls, the loop and fio alternate (ABBA) in slices of the case's tim
 4 KiB, 4 at 8 MiB), so that the disk's drift hits all of them alike; their rates are the
 sums over the slices.
 
-The grouped calls run twice, on the engine the local backend chooses (io_uring where the
-kernel offers it) and with Linux AIO forced (``aio_engine='aio'``), alternating with the rest,
-so that the two engines are compared in the same run.
+The grouped calls run on the engine the local backend chooses (``aio_engine``, or
+``CHEMIO_AIO_ENGINE``); when that is not Linux AIO (``CHEMIO_AIO_ENGINE=io_uring``) they run a
+second time with Linux AIO forced, alternating with the rest, so that the two engines are
+compared in the same run. The slots are not registered with io_uring: at 4 KiB the check of
+each submission against the registered buffers cost more Python time than the page pinning it
+saves (measured 2026-11-26).
 
 Targets (issue 28): the grouped calls on the chosen engine >= 0.9x fio at 4 KiB on every mix
 and at 8 MiB (fio's bandwidth); the Linux AIO rows carry their ratio to the ceiling loop (the

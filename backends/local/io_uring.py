@@ -23,10 +23,15 @@ offered on x86-64 only, and Linux AIO or the threads serve elsewhere.
 Who reaps: as in ``linux_aio``, one thread at a time holds the reaping token. A waiter
 takes it and collects completions itself (first from memory, then with
 ``io_uring_enter(GETEVENTS, min_complete)``), so it is woken by the kernel directly; a
-reaper thread collects (from memory, every ``GRACE`` seconds) only while nobody waits, so
-that callbacks and ``done()`` polls of requests nobody waits for still progress. Transfers
-that end short (and still aligned) are continued, EINTR/EAGAIN results are retried,
-other errors are passed on as negative errnos, which the backend maps (ENOSPC:
+``done()`` probe collects from memory too. Unlike ``linux_aio``, a submitting thread does
+not collect: the waiter's look at the CQ costs no system call already, and a look before
+or after each submitting enter split the collection into smaller batches (measured 0.8-0.9x
+on 4 KiB GAMESS mixes, 2026-11-26). The submitting ``io_uring_enter`` keeps the GIL (it
+does not wait: a transfer that would block goes to the kernel's workers). A reaper thread
+collects (from memory) only while nobody waits or submits, napping up to ``NAP_MAX``
+meanwhile, so that callbacks and requests nobody waits for still progress. Transfers
+that end short (and still aligned) are continued, EINTR/EAGAIN results are retried, other
+errors are passed on as negative errnos, which the backend maps (ENOSPC:
 ``OutOfSpaceError``). Submission is under one lock (one ring per process: a per-thread
 ring would need a reaper per ring); interrupts are deferred over the bookkeeping as in
 ``linux_aio`` (``requests.shielded``).
@@ -77,10 +82,12 @@ REGISTERED = 32            # slots of the registered-buffer table
 RETRIES = 16               # EINTR/EAGAIN results retried this often per transfer
 ALIGN = 4096               # a short transfer is continued when it ends on this boundary
 WAITER_WAIT_NS = 20_000_000
-GRACE = 0.001
+GRACE = 0.001              # seconds the reaper leaves the ring alone after a wait or submit
+NAP_MAX = 0.01             # the reaper's longest nap while other threads wait or submit
 IDLE_SLEEP = 0.02          # the reaper's look at an idle ring (requests nobody waits for)
 _TRACK = "chemio-aio"      # the trace track of kernel-async I/O, whichever engine moves it
 _M32 = 0xFFFF_FFFF
+_is_done = requests.Request.done    # the state alone (_Req.done also collects completions)
 
 
 class _SQOff(ctypes.Structure):
@@ -163,6 +170,14 @@ class _Req(requests.NativeRequest):
     def progress(self, deadline: float | None) -> bool:
         return self._eng._wait(self, deadline)
 
+    def done(self) -> bool:
+        """Whether it is complete; a probe of a pending request first collects the
+        transfers that have finished (from memory), as ``wait()`` would."""
+        if _is_done(self):
+            return True
+        self._eng.poll()
+        return _is_done(self)
+
     def part(self, i: int) -> tuple[int, int, int]:
         """Address, size and offset of transfer ``i``."""
         s = self._sizes
@@ -242,6 +257,11 @@ class Engine(linux_aio.TokenReaper):
         self._busy = 0
         self._waiting: list = []
         self._last_wait = 0.0
+        # the same call keeping the GIL, for the enter that submits and does not wait:
+        # letting the GIL go costs more than the call, and on a busy node a thread that
+        # takes it meanwhile and is descheduled stalls the submitter for its time slice
+        self._enter_now = ctypes.PyDLL(None, use_errno=True).syscall
+        self._enter_now.restype = ctypes.c_long
         self._enter = self._sys
         self._waiter_wait = _wait_arg(WAITER_WAIT_NS)
         # the 6th argument of syscall(2) goes on the stack: a whole 64-bit word, or its
@@ -364,6 +384,7 @@ class Engine(linux_aio.TokenReaper):
         n = len(offs)
         if self._pid != os.getpid() or not n:
             return None
+        self._last_wait = time.perf_counter()       # the reaper stays away (GRACE)
         if type(sizes) is not int:
             sizes = sizes if type(sizes) is list else np.asarray(sizes).tolist()
         req = _Req(self, stats, keep, then, n, group, write, fd, addrs, sizes, offs)
@@ -505,7 +526,7 @@ class Engine(linux_aio.TokenReaper):
         """Publish ``k`` written SQEs (the tail store) and submit them with one enter."""
         self._stail = (self._stail + k) & _M32
         self._u32[self._sq_tail_i] = self._stail
-        got = self._enter(self._nr[1], self._fd, k, 0, 0, self._null, self._zero)
+        got = self._enter_now(self._nr[1], self._fd, k, 0, 0, self._null, self._zero)
         if got == k:
             return k, 0
         err = ctypes.get_errno() if got < 0 else errno.EAGAIN
@@ -667,7 +688,7 @@ class Engine(linux_aio.TokenReaper):
         if not self._token.acquire(False):
             return None
         try:
-            if req.done():
+            if _is_done(req):
                 return 0
             wait = self._waiter_wait
             if deadline is not None:
@@ -682,13 +703,19 @@ class Engine(linux_aio.TokenReaper):
         """Collect completions nobody waits for, from memory only: a wait in the kernel
         would hold the token against a waiter, and cannot hurry a completion anyway (the
         kernel posts it through the submitting thread, which it interrupts to do so)."""
+        nap = GRACE
         while self._pid == os.getpid():
             if not self._busy:
                 time.sleep(IDLE_SLEEP)  # nothing in flight: look again now and then
                 continue
             if self._waiting or time.perf_counter() - self._last_wait < GRACE:
-                time.sleep(GRACE)       # a waiter reaps for itself
+                # A waiter reaps for itself (a submitter's next wait will). The naps
+                # double while that lasts (up to NAP_MAX): each look takes the GIL from
+                # the caller, and on a busy node a reaper not scheduled at once stalls it.
+                time.sleep(nap)
+                nap = min(2 * nap, NAP_MAX)
                 continue
+            nap = GRACE
             if self._token.acquire(False):
                 try:
                     self._collect()
@@ -763,9 +790,11 @@ def native_engine() -> Any:
     """The engine of the local backend's aligned O_DIRECT requests: the ``aio_engine``
     setting's choice; by default ('auto') Linux AIO, else io_uring, else None (the I/O
     threads). 'auto' prefers AIO because io_uring measured no faster here (4 KiB GAMESS
-    mixes 0.85-1.05x AIO, 8 MiB 0.99x, quiet machine, interleaved) and AIO has the longer
-    record; ``aio_engine='io_uring'`` chooses it. A forced engine the kernel does not
-    offer gives None. ``CHEMIO_NO_AIO=1`` still means 'threads'."""
+    mixes 0.85-1.05x AIO, 8 MiB 0.99x, quiet machine, interleaved; again 2026-11-26,
+    load 1.2-1.8: 0.76-1.19x, behind in 6 of 12 mix/round pairs, 8 MiB 0.92-1.10x) and AIO
+    has the longer record; ``aio_engine='io_uring'`` chooses it.
+    A forced engine the kernel does not offer gives None. ``CHEMIO_NO_AIO=1`` still means
+    'threads'."""
     if _chosen:
         return _chosen[0]
     want = config.get("aio_engine")

@@ -5,6 +5,7 @@ the engine forced."""
 import errno
 import gc
 import os
+import threading
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ import chemio_py as cio
 from chemio_py.backends.local import io_uring
 from chemio_py.prefetch import iter_blocks
 from chemio_py.errors import ConfigError, EndOfFileError, OutOfSpaceError, StorageError
-from chemio_py.runtime import config
+from chemio_py.runtime import config, requests
 from chemio_py.testing import BackendTests
 from aio_cases import threads_write_and_read
 
@@ -219,8 +220,9 @@ def test_registered_buffers_use_the_fixed_operations(tmp_path, monkeypatch):
     orig = eng._use_fixed
 
     def use_fixed(w, write):
-        orig(w, write)
+        hit = orig(w, write)
         ops.extend((w[:, 0] & 0xFF).tolist())
+        return hit          # the engine rewrites a block's SQEs next time when True
     monkeypatch.setattr(eng, "_use_fixed", use_fixed)
     with cio.ExclusiveFile("fixed", "w+", dir=str(tmp_path), direct=True) as f:
         _direct(f)
@@ -247,6 +249,29 @@ def test_registered_buffers_use_the_fixed_operations(tmp_path, monkeypatch):
     assert len(eng._pinned) == 1
     eng.unregister(held)
     assert not eng._pinned and not any(eng._regs)
+    assert _settled(eng)
+
+
+def test_a_probe_collects_what_has_finished(tmp_path):
+    # done() on a pending request collects the finished transfers from the CQ in the
+    # calling thread (no reaper, no system call), as wait() would
+    me = threading.get_ident()
+    eng = io_uring.engine()
+    with cio.ExclusiveFile("collect", "w+", dir=str(tmp_path), direct=True) as f:
+        _direct(f)
+        f.write(0, np.arange(8 * K // 8, dtype=np.int64))
+        rows = cio.aligned_empty((8, K))
+        where = []
+        with eng._token:                    # the reaper thread collects nothing meanwhile
+            first = f.aread_many(np.arange(8) * K, rows)
+            first.add_done_callback(lambda _r: where.append(threading.get_ident()))
+            t_end = time.monotonic() + 10
+            while not first.done() and time.monotonic() < t_end:
+                time.sleep(0.001)
+            assert requests.Request.done(first) and where == [me]
+        assert first.wait() is rows
+        assert (rows.view(np.int64).ravel() == np.arange(8 * K // 8)).all()
+        f.delete()
     assert _settled(eng)
 
 
