@@ -34,6 +34,9 @@ Methods, on the same data in the same run, interleaved in rotating order:
 * ``memory copy`` — the same strided copy of the section from an in-memory array (hot rows
   only: the machine's copy bandwidth, the ceiling of a hot read; issue 28 asks >= 0.9x
   ``numpy.memmap`` hot, and figures move with the machine, so the ceiling is beside them);
+* ``memory copy 4k`` — the same copy from an in-memory array on 4 KiB pages (no transparent
+  huge pages, which NumPy asks for on large arrays): the ceiling of a copy out of the page
+  cache, which a mapping of a file on disk sees through 4 KiB page-table entries;
 * ``h5py`` — a chunked dataset with the same chunk shape, no compression (file fsync'ed);
 * ``zarr`` — v3 array with the same chunks, no compression (every chunk file fsync'ed).
 
@@ -297,6 +300,20 @@ class _RamCopy(_Method):
         np.copyto(out, self.a[sec])
 
 
+class _RamCopy4k(_RamCopy):
+    """``_RamCopy`` from memory on 4 KiB pages (``MADV_NOHUGEPAGE``): the TLB cost a mapped
+    file's pages carry, without the file."""
+    name = "memory copy 4k"
+
+    def __init__(self, n: int):
+        import mmap
+        self._mm = mmap.mmap(-1, n * n * 8)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self._mm.madvise(mmap.MADV_NOHUGEPAGE)
+        self.a = np.frombuffer(self._mm, np.float64).reshape(n, n)
+        self.a[...] = 0
+
+
 class _H5(_Method):
     name = "h5py"
 
@@ -374,7 +391,7 @@ def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list
              "non-aligned": (slice(OFFSET[0], OFFSET[0] + s), slice(OFFSET[1], OFFSET[1] + s))}
 
     names = ["DRA", "DRA hinted", "DRA checksum", "raw", "raw stretches", "numpy.memmap",
-             "memory copy", "h5py", "zarr"]
+             "memory copy", "memory copy 4k", "h5py", "zarr"]
     optional = ["DRA nofill"]           # only when asked for by name (--methods=...)
     unknown = sorted(set(methods or ()) - set(names) - set(optional))
     if unknown:
@@ -398,6 +415,8 @@ def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list
         chosen.append(_Memmap(workdir, n))
     if "memory copy" in wanted:
         chosen.append(_RamCopy(n))
+    if "memory copy 4k" in wanted:
+        chosen.append(_RamCopy4k(n))
     for cls in (_H5, _Zarr):
         if cls.name not in wanted:
             continue
@@ -506,6 +525,12 @@ def run(quick: bool, workdir: str, methods: Sequence[str] | None = None) -> list
                                  f"cold read's I/O and saves the next hot read its faults; {size}"))
     for op in ("hot read", "hot read again"):
         for case in cases:
+            ram4k = bw("memory copy 4k", op, case)
+            if ram4k is not None:
+                rows.append(row(f"DRA vs memory copy on 4 KiB pages: {op} {case}", "MiB/s",
+                                bw("DRA", op, case), "memory copy 4k", ram4k,
+                                note="the ceiling through a file mapping's 4 KiB pages; "
+                                     f"median of {reps}"))
             ram = bw("memory copy", op, case)
             if ram is None:
                 continue

@@ -13,6 +13,7 @@ This module holds the stores and the backend; the system-call helpers they share
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import functools
@@ -49,7 +50,8 @@ from chemio_py.backends.posix import (
     unlink_regular,
 )
 from chemio_py.errors import OutOfSpaceError, StorageError
-from chemio_py.runtime import config
+from chemio_py.runtime import config, pool
+from chemio_py.runtime.blas import cpu_share
 from chemio_py.scratch import fs
 
 _log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ _ADVICE = {
 }
 _PREFETCH_GAP_PAGES = 16        # partial pages closer than this are fetched in one request
 _BIG_SEGMENT = 1 << 20          # runs this long on average use preadv/pwritev, cached or not
+_SPLIT_COPY = 16 << 20          # a mapped copy copies this much per thread at least
 _IN_PLACE_FS = ("ext2", "ext3", "ext4", "xfs", "tmpfs")   # overwrite allocated blocks in place
 # Bytes of array files that stay mapped (read-only) for copies from the page cache, over all
 # open stores, are capped by the ``map_cap`` setting; the least recently used mapping is
@@ -853,7 +856,7 @@ class LocalArrayStore(_PosixFile):
             if not posix.sigbus_guard_arm():
                 return None
             assert m.base is not None               # pinned: not released
-            self.layout.copy_blocks(region, m.base, self.dtype, out, False, blocks)
+            self._copy_from_map(region, m.base, out, blocks)
             if m.guard.poisoned:                # the file shrank under the copy
                 _log.warning("%s shrank under a mapped read (SIGBUS caught); reading it with "
                              "system calls instead", self.path)
@@ -864,6 +867,76 @@ class LocalArrayStore(_PosixFile):
             return True
         finally:
             self._unpin_map(m)
+
+    def _copy_from_map(self, region: Any, base: np.ndarray, out: np.ndarray,
+                       blocks: list) -> None:
+        """Copy ``region`` from the mapping ``base`` into ``out``: one NumPy copy per block,
+        or for a region of several ``_SPLIT_COPY`` bytes its rows cut at chunk edges into
+        one part per core of this rank's share (``cpu_share``, at most 4), copied by this
+        thread and pool threads at once (one core's copy bandwidth is the limit of a hot
+        read). This thread copies every part
+        no pool thread has started, and returns only when no part is being copied."""
+        parts = self._split_rows(region, out)
+        if len(parts) < 2:
+            self.layout.copy_blocks(region, base, self.dtype, out, False, blocks)
+            return
+        todo = collections.deque(parts)
+        lock = threading.Lock()
+        state: list = [0, None]                 # parts being copied, the first error
+
+        def drain() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    sub, dst = todo.popleft()
+                    state[0] += 1
+                try:
+                    self.layout.copy_blocks(sub, base, self.dtype, dst, False)
+                except BaseException as e:      # noqa: BLE001 - raised by the caller
+                    state[1] = state[1] or e
+                finally:
+                    with lock:
+                        state[0] -= 1
+
+        try:
+            for _ in range(len(parts) - 1):
+                pool.submit(drain)
+            drain()
+        finally:
+            while True:                         # an interrupt while waiting: wait again
+                try:
+                    with lock:
+                        todo.clear()
+                    while state[0]:
+                        time.sleep(0.0001)      # a pool thread still copies into ``out``
+                    break
+                except BaseException:  # noqa: BLE001 - the first one propagates
+                    pass
+        if state[1] is not None:
+            raise state[1]
+
+    def _split_rows(self, region: Any, out: np.ndarray) -> list:
+        """``[(sub-region, rows of out)]``: ``region`` cut along its first axis for
+        ``_copy_from_map`` (at chunk edges where there are enough), or one part."""
+        if out.nbytes < 2 * _SPLIT_COPY or not region:
+            return [(region, out)]
+        # the cores this rank may keep busy: a packed node (one rank per core) does not split
+        k = min(4, int(cpu_share()), out.nbytes // _SPLIT_COPY)
+        if k < 2 or out.shape[0] < k:
+            return [(region, out)]
+        lo, hi = region[0].start, region[0].stop
+        c = self.layout.chunks[0]
+        cuts = [lo]
+        for i in range(1, k):
+            at = lo + (hi - lo) * i // k
+            edge = (at + c // 2) // c * c           # the nearest chunk edge, if inside
+            at = edge if cuts[-1] < edge < hi else at
+            if cuts[-1] < at < hi:
+                cuts.append(at)
+        cuts.append(hi)
+        rest = tuple(region[1:])
+        return [((slice(a, b), *rest), out[a - lo:b - lo]) for a, b in zip(cuts, cuts[1:])]
 
     def _short_runs(self, region: Any, arr: np.ndarray) -> tuple | None:
         """The region's contiguous runs (file offsets, memory offsets, lengths) when they

@@ -14,6 +14,8 @@ free, less the ones the I/O threads keep busy::
   by a cgroup ``cpu.max`` quota) that other processes left idle, from ``/proc/stat``
   sampled over a short interval, less this process's own CPU time: our own threads do not
   count as busy. The 1-minute load average reacts too slowly to be of use here.
+* ``cpu_share()``: ``cpu_set()`` over the ranks of the job on this node (from the
+  launcher's environment): what one rank may keep busy on a packed node.
 * ``blas_threads(io_threads, free)``: ``max(1, round(free - io_threads))``.
 * The pools are set with ``threadpoolctl`` (imported on first use; ``import chemio_py``
   stays light) and restored on leaving the block. Without ``/proc/stat`` the CPU set
@@ -47,6 +49,27 @@ def cpu_set() -> float:
     except (OSError, ValueError):
         pass
     return n
+
+
+# Ranks of this job on this node, as the launchers say: MPICH/hydra, Open MPI, MVAPICH, Slurm.
+_LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_node() -> int:
+    """How many ranks of this job share the node (1 outside a launcher that says)."""
+    for var in _LOCAL_RANKS:
+        try:
+            return max(1, int(os.environ[var]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
+def cpu_share() -> float:
+    """This process's share of its CPU set: ``cpu_set()`` over the ranks on the node (the
+    cores one rank may keep busy without taking another rank's)."""
+    return cpu_set() / ranks_on_node()
 
 
 def _cpus() -> set[int] | None:
