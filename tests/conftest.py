@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -99,6 +100,21 @@ if not _HELPER_PROCESS and os.environ.get("PYTHONDONTWRITEBYTECODE"):
     else:
         _PYCACHE = tempfile.mkdtemp(prefix="cio-tests-pycache-")
         os.environ["CIO_TESTS_PYCACHE"] = _PYCACHE
+
+
+def _remove_own_dirs_at_exit() -> None:
+    """A session that ends before ``pytest_sessionfinish`` (a usage error, an interrupt
+    while collecting) still leaves no directory of its own behind; a non-empty scratch or
+    shm directory stays (what a test left there is a leak to look at)."""
+    for d in (SCRATCH_ROOT, _OWN_SHM):
+        with contextlib.suppress(OSError, TypeError):
+            os.rmdir(d)
+    if _PYCACHE and not WORKER:                     # the bytecode cache made here
+        shutil.rmtree(_PYCACHE, ignore_errors=True)
+
+
+if not _HELPER_PROCESS:
+    atexit.register(_remove_own_dirs_at_exit)
 for var in ("CHEMIO_SHARED_SCRATCH", "CHEMIO_BACKEND", "CHEMIO_CONFIG", "CHEMIO_SYNC",
             "CHEMIO_KEEP", "CHEMIO_TRACE", "CHEMIO_IO_THREADS", "CHEMIO_DIRECT"):
     os.environ.pop(var, None)
