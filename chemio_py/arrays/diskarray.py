@@ -66,6 +66,7 @@ SUFFIX = ".dra"
 META_SUFFIX = ".json"
 TASK_MIN = 4 << 20            # a task of the I/O pool moves at least this much (if there is)
 TASK_MAX = 16 << 20           # ... and at most about this much
+HOT_INLINE = 2 << 20          # an aread this small that the page cache holds is copied inline
 LONG_STRETCH = 32 << 20       # a cold read's stretches this long are read as streams...
 LONG_STREAMS = 2              # ... this many at once (see DiskArray._long_stretches)
 
@@ -1089,11 +1090,27 @@ class DiskArray(StoreHandle):
               transpose: bool = False) -> requests.Request:
         """Start reading ``section`` into ``out``; ``wait()`` returns the filled array."""
         region, target, out, back = self._prep_read(section, out, transpose)
+        if back is None and self._sums is None and self._read_hot_here(region, target):
+            return requests.completed(out)
         finish = None if back is None else (lambda: back.__setitem__(Ellipsis, target))
         if self._sums is not None:          # check, then copy back: in the last task's thread
             finish = functools.partial(verify_then_copy, self._sums, self._store, region,
                                        target, back)
         return self._start(self._store, False, region, target, out, finish)
+
+    def _read_hot_here(self, region: tuple, target: np.ndarray) -> bool:
+        """Read a section of at most ``HOT_INLINE`` bytes in this thread when every page of
+        it is in the page cache (True: done). Handing such a copy to an I/O thread and
+        waiting for it costs more than the copy: a hot 785 KB block measured ~500 us by
+        ``aread().wait()`` against ~130 us read here and ~27 us for the bare copy."""
+        cached = self._caps.read_cached
+        if cached is None or not 0 < target.nbytes <= HOT_INLINE:
+            return False
+        t0 = time.perf_counter()
+        if not cached(region, target):
+            return False
+        self._stats.record("read", target.nbytes, t0, time.perf_counter())
+        return True
 
     def aread_direct(self, section: Any, out: np.ndarray,
                      cached: bool = False) -> requests.Request | None:

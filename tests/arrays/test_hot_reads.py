@@ -416,3 +416,35 @@ def test_residency_over_ranges_close_together(tmp_path):
         mm.close()
     finally:
         os.close(fd)
+
+
+def test_a_small_hot_aread_is_copied_inline(tmp_path, monkeypatch):
+    """An ``aread`` of at most ``HOT_INLINE`` bytes whose pages are all cached is copied
+    in the calling thread and returns complete (a hand-off to an I/O thread cost more than
+    the copy); a larger one, a strided ``out`` and a checksummed array keep the pool path;
+    every one reads the same values and counts as a read."""
+    from chemio_py.arrays import diskarray
+    monkeypatch.setattr(diskarray, "HOT_INLINE", 64 * 1024)
+    rng = np.random.default_rng(5)
+    model = rng.standard_normal((300, 100))
+    d = cio.DiskArray.create("h", model.shape, "f8", chunks=(10, 100), path=tmp_path)
+    d[...] = model
+    d.read((slice(0, 300), slice(0, 100)))              # every page cached and mapped
+    used = _spy(d.store)
+    reads = d.stats.reads
+    r = d.aread((slice(10, 60), slice(0, 100)))         # 40 KB
+    assert r.done() and used["mapped"] == 1
+    np.testing.assert_array_equal(r.wait(), model[10:60])
+    big = d.aread((slice(0, 200), slice(0, 100)))       # 160 KB: the pool
+    np.testing.assert_array_equal(big.wait(), model[:200])
+    t = d.aread((slice(0, 50), slice(0, 100)), transpose=True)   # copied back: the pool
+    np.testing.assert_array_equal(t.wait(), model[:50].T)
+    assert used["mapped"] >= 3 and d.stats.reads >= reads + 3
+    d.delete()
+    c = cio.DiskArray.create("c", model.shape, "f8", chunks=(10, 100), path=tmp_path,
+                             checksum=True)
+    c[...] = model
+    c.read((slice(0, 300), slice(0, 100)))
+    r = c.aread((slice(10, 60), slice(0, 100)))         # checked on the pool, as before
+    np.testing.assert_array_equal(r.wait(), model[10:60])
+    c.delete()
