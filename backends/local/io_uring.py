@@ -273,8 +273,8 @@ class Engine(linux_aio.TokenReaper):
         self._regs: list[tuple[int, int] | None] = [None] * REGISTERED
         self._pinned: dict[int, Any] = {}
         self._reg_ok = self._register_table()
+        # started by ``engine()`` once published and its lock let go
         self._reaper = threading.Thread(target=self._reap_loop, name=_TRACK, daemon=True)
-        self._reaper.start()
 
     # -------------------------------------------------------------- registered buffers
     def _register_table(self) -> bool:
@@ -773,17 +773,20 @@ def engine() -> Engine | None:
     seccomp filter refuses io_uring (probed once per process)."""
     if _engine:
         return _engine[0]
+    made = None
     with _engine_lock:
         if not _engine:
             nr = _NR.get(platform.machine())
             eng = None
             if nr is not None:
                 try:
-                    eng = Engine(nr)
+                    eng = made = Engine(nr)
                 except (OSError, AttributeError, ValueError):
                     eng = None      # ENOSYS, EPERM (io_uring_disabled, seccomp), ENOMEM
             _engine.append(eng)
-        return _engine[0]
+    if made is not None:
+        made._reaper.start()    # outside the lock: see ``_Pool.start`` in runtime.pool
+    return _engine[0]
 
 
 def native_engine() -> Any:

@@ -208,8 +208,8 @@ class Engine(TokenReaper):
         self._idle_wait = ctypes.byref(_Timespec(0, IDLE_WAIT_NS))
         self._waiter_wait = ctypes.byref(_Timespec(WAITER_WAIT_NS // 10**9,
                                                    WAITER_WAIT_NS % 10**9))
+        # started by ``engine()`` once published and its lock let go
         self._reaper = threading.Thread(target=self._reap_loop, name=_TRACK, daemon=True)
-        self._reaper.start()
 
     # -------------------------------------------------------------- submission
     def submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
@@ -488,17 +488,20 @@ def engine() -> Engine | None:
     """This process's AIO engine, or None where Linux AIO is not available."""
     if _engine:
         return _engine[0]
+    made = None
     with _engine_lock:
         if not _engine:
             nr = _SYSCALLS.get(platform.machine())
             eng = None
             if nr is not None and os.environ.get("CHEMIO_NO_AIO") != "1":
                 try:
-                    eng = Engine(nr)
+                    eng = made = Engine(nr)
                 except (OSError, AttributeError):
                     eng = None
             _engine.append(eng)
-        return _engine[0]
+    if made is not None:
+        made._reaper.start()    # outside the lock: see ``_Pool.start`` in runtime.pool
+    return _engine[0]
 
 
 def settle_descriptor(fd: int | None) -> None:

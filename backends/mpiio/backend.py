@@ -302,15 +302,17 @@ class _Progress:
         if not pieces:                               # zero bytes
             pieces = [_Piece(op, offset, mv)]
         op.left = len(pieces)
+        made = None
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="chemio-io-mpiio")
-                self._thread.start()
+                self._thread = made = threading.Thread(target=self._run, daemon=True,
+                                                       name="chemio-io-mpiio")
             for p in pieces:
                 self._issue(p)
                 if p.mreq is not None:
                     self._live.append(p)
+        if made is not None:
+            made.start()        # outside the lock: see ``_Pool.start`` in runtime.pool
         for p in pieces:
             if p.mreq is None:
                 self._piece_done(p, 0, op.error)

@@ -153,13 +153,16 @@ class _Janitor:
         self._thread: threading.Thread | None = None
 
     def watch(self, gate: Gate) -> None:
+        made = None
         with self._cv:
             self._gates.add(gate)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="chemio-shm-locks",
-                                                daemon=True)
-                self._thread.start()
+            t = self._thread                # (one made but not started yet has no ident)
+            if t is None or (t.ident is not None and not t.is_alive()):
+                self._thread = made = threading.Thread(target=self._run, daemon=True,
+                                                       name="chemio-shm-locks")
             self._cv.notify()
+        if made is not None:
+            made.start()        # outside the lock: see ``_Pool.start`` in runtime.pool
 
     def _run(self) -> None:
         while True:

@@ -1686,16 +1686,18 @@ class _Reaper:
             self._remove(store, dfd, name, e)
             return
         key = id(store)
+        made = None
         with self._cond:
             while self._pending.get(key, 0) >= _REAP_MAX:
                 self._cond.wait()
             self._pending[key] = self._pending.get(key, 0) + 1
             self._todo.append((key, store, dfd, name, e))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="chemio-zarr-reaper")
-                self._thread.start()
+                self._thread = made = threading.Thread(target=self._run, daemon=True,
+                                                       name="chemio-zarr-reaper")
             self._cond.notify_all()
+        if made is not None:
+            made.start()        # outside the lock: see ``_Pool.start`` in runtime.pool
 
     @staticmethod
     def _remove(store: ZarrArrayStore, dfd: int, name: str, e: list | None) -> None:

@@ -141,6 +141,12 @@ class _Pool:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._work, name=f"chemio-io_{i}", daemon=True)
                         for i in range(nthreads)]
+
+    def start(self) -> None:
+        """Start the threads, with no lock held: a new thread may run the garbage collector
+        before it signals that it has started, and a finalizer there (a dropped array's
+        close) may take any of our locks, so a thread started under one can deadlock
+        (seen: the zarr reaper's thread, started under its condition)."""
         for t in self.threads:
             t.start()
 
@@ -171,10 +177,14 @@ _sync_mode: list[bool] = []
 def _get_pool() -> _Pool:
     if _pool:
         return _pool[0]
+    made = None
     with _pool_lock:
         if not _pool:
-            _pool.append(_Pool(config.get("io_threads")))
-        return _pool[0]
+            made = _Pool(config.get("io_threads"))
+            _pool.append(made)
+    if made is not None:
+        made.start()                    # queued work waits the moment until then
+    return _pool[0]
 
 
 def queued() -> int:

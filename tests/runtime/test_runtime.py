@@ -297,3 +297,56 @@ def test_exit_leaves_a_stuck_pool_with_a_message():
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 30
     assert "finished nothing for 0.5 s" in r.stderr and "was not done" in r.stderr
+
+
+def _finalizer_during_start(module, monkeypatch, finalizer):
+    """Make every thread that ``module`` starts first run ``finalizer`` on another thread
+    and wait for it up to 2 s: what happens when a new thread runs the garbage collector
+    before it signals that it has started and a finalizer there (a dropped array's close)
+    takes a library lock. Returns the list of how each such finalizer ended."""
+    import threading
+    ended: list = []
+    real = threading.Thread
+
+    class Thread(real):
+        def start(self):
+            t = real(target=lambda: ended.append(finalizer()), daemon=True)
+            t.start()
+            t.join(2)
+            if t.is_alive():
+                ended.append("blocked")
+            super().start()
+    monkeypatch.setattr(module.threading, "Thread", Thread)
+    return ended
+
+
+def test_the_pool_starts_its_threads_with_no_lock_held(monkeypatch):
+    """A finalizer on a starting pool thread that needs the pool gets it (it waited for
+    the pool's lock, held by the thread starting it: a deadlock)."""
+    pool.reset_pool()
+    try:
+        ended = _finalizer_during_start(pool, monkeypatch, lambda: pool.submit(int, 7))
+        assert pool.submit(int, 3).wait() == 3
+        assert ended and "blocked" not in ended, ended
+        assert [r.wait() for r in ended] == [7] * len(ended)    # and their work ran
+    finally:
+        monkeypatch.undo()
+        pool.reset_pool()
+
+
+def test_the_zarr_reaper_starts_its_thread_with_no_lock_held(monkeypatch, tmp_path):
+    """The same for the zarr reaper's thread, started by a rewrite (the hang CI met: a
+    dask worker's write stuck in ``Thread.start`` while the new thread's finalizer waited
+    for the reaper's condition)."""
+    from chemio_py.backends.zarr import backend as zb
+    zb._REAPER.settle()
+    zb._REAPER._thread = None        # the next rewrite starts a new reaper thread
+    d = cio.DiskArray.create("r", (8, 8), "f8", chunks=(4, 4), backend="zarr", path=tmp_path)
+    d[...] = 1.0
+    other = cio.DiskArray.create("o", (4, 4), "f8", backend="zarr", path=tmp_path)
+    ended = _finalizer_during_start(zb, monkeypatch, lambda: zb._REAPER.settle(other.store))
+    d[...] = 2.0                     # rewrites: the old objects go to the reaper
+    assert ended == [None], ended
+    np.testing.assert_array_equal(d[...], 2.0)
+    d.delete()
+    other.delete()
