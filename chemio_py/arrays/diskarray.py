@@ -1088,7 +1088,12 @@ class DiskArray(StoreHandle):
     # ------------------------------------------------------------ asynchronous
     def aread(self, section: Any, out: np.ndarray | None = None, *,
               transpose: bool = False) -> requests.Request:
-        """Start reading ``section`` into ``out``; ``wait()`` returns the filled array."""
+        """Start reading ``section`` into ``out``; ``wait()`` returns the filled array.
+
+        A section of at most ``HOT_INLINE`` bytes that the page cache holds whole is copied
+        before this returns (the request is then complete): handing it to an I/O thread
+        costs more than the copy.
+        """
         region, target, out, back = self._prep_read(section, out, transpose)
         if back is None and self._sums is None and self._read_hot_here(region, target):
             return requests.completed(out)
