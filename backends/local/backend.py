@@ -13,7 +13,6 @@ This module holds the stores and the backend; the system-call helpers they share
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import functools
@@ -874,47 +873,15 @@ class LocalArrayStore(_PosixFile):
         or for a region of several ``_SPLIT_COPY`` bytes its rows cut at chunk edges into
         one part per core of this rank's share (``cpu_share``, at most 4), copied by this
         thread and pool threads at once (one core's copy bandwidth is the limit of a hot
-        read). This thread copies every part
-        no pool thread has started, and returns only when no part is being copied."""
+        read; ``TaskRun.run(here=True)``: this thread copies every part no pool thread has
+        started, and returns only when no part is being copied)."""
         parts = self._split_rows(region, out)
         if len(parts) < 2:
             self.layout.copy_blocks(region, base, self.dtype, out, False, blocks)
             return
-        todo = collections.deque(parts)
-        lock = threading.Lock()
-        state: list = [0, None]                 # parts being copied, the first error
-
-        def drain() -> None:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    sub, dst = todo.popleft()
-                    state[0] += 1
-                try:
-                    self.layout.copy_blocks(sub, base, self.dtype, dst, False)
-                except BaseException as e:      # noqa: BLE001 - raised by the caller
-                    state[1] = state[1] or e
-                finally:
-                    with lock:
-                        state[0] -= 1
-
-        try:
-            for _ in range(len(parts) - 1):
-                pool.submit(drain)
-            drain()
-        finally:
-            while True:                         # an interrupt while waiting: wait again
-                try:
-                    with lock:
-                        todo.clear()
-                    while state[0]:
-                        time.sleep(0.0001)      # a pool thread still copies into ``out``
-                    break
-                except BaseException:  # noqa: BLE001 - the first one propagates
-                    pass
-        if state[1] is not None:
-            raise state[1]
+        dtype, copy = self.dtype, self.layout.copy_blocks
+        pool.TaskRun(lambda part: copy(part[0], base, dtype, part[1], False),
+                     parts).run(len(parts) - 1, here=True)
 
     def _split_rows(self, region: Any, out: np.ndarray) -> list:
         """``[(sub-region, rows of out)]``: ``region`` cut along its first axis for

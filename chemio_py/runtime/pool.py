@@ -31,9 +31,10 @@ class TaskRun:
     """Tasks ``fn(task)`` of one operation, drained by ``streams`` pool threads at once.
 
     ``request`` completes when every task has run (with the first error, if one failed:
-    the remaining tasks are then dropped). Only pool threads run tasks, so an interrupt of
-    the caller never lands inside a backend call; ``stop()`` drops the tasks not started
-    and waits, whatever happens meanwhile, until none is running.
+    the remaining tasks are then dropped). Only pool threads run tasks (unless ``run(...,
+    here=True)``), so an interrupt of the caller never lands inside a backend call;
+    ``stop()`` drops the tasks not started and waits, whatever happens meanwhile, until
+    none is running.
     """
 
     __slots__ = ("_fn", "_tasks", "_lock", "_active", "_error", "request")
@@ -104,12 +105,16 @@ class TaskRun:
             return False
         return True
 
-    def run(self, streams: int) -> None:
-        """Start the tasks and wait for them. On any exception (an interrupt, a task's
-        error) the tasks are stopped before it propagates: the caller never gets control
-        back while a task may still touch its buffers."""
+    def run(self, streams: int, here: bool = False) -> None:
+        """Start the tasks and wait for them; ``here``: this thread drains them too (from
+        a pool thread, or where the copy itself is the work: it never waits for a pool
+        that is busy). On any exception (an interrupt, a task's error) the tasks are
+        stopped before it propagates: the caller never gets control back while a task may
+        still touch its buffers."""
         try:
             self.start(streams)
+            if here:
+                self._drain()
             self.request.wait()
         except BaseException:
             while True:                 # an interrupt inside stop(): stop again
