@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 import numpy as np
 
 from chemio_py.errors import ArgumentError, ChemIOError, fmt_bytes
-from chemio_py.runtime import config, pool, requests, stats
+from chemio_py.runtime import config, finalizers, pool, requests, stats
 
 MAX_DEPTH = 1024
 _counter = itertools.count(1)
@@ -279,10 +279,8 @@ class Pipeline:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        if not getattr(self, "_closed", True):
+            finalizers.close_later(self.close)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._ring)} in flight"
@@ -761,10 +759,7 @@ class WriteBehind:
         return False
 
     def __del__(self) -> None:
-        try:
-            self._drain()
-        except Exception:
-            pass
+        finalizers.close_later(self._drain)
 
     def __repr__(self) -> str:
         return f"<WriteBehind {self.name!r} depth={self.depth} {len(self._ops)} in flight>"

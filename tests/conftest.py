@@ -176,9 +176,10 @@ def warm_store(store) -> str:
 
 def process_threads() -> set[int]:
     """Threads that are not the process's own: the I/O pool's and mpiio's completion thread
-    (``chemio-io*``) and shm's lock janitor (``chemio-shm-locks``) live on once started."""
+    (``chemio-io*``), shm's lock janitor (``chemio-shm-locks``) and the finalizers' closer
+    (``chemio-closer``) live on once started."""
     return {t.ident for t in threading.enumerate()
-            if not t.name.startswith(("chemio-io", "chemio-shm-locks"))}
+            if not t.name.startswith(("chemio-io", "chemio-shm-locks", "chemio-closer"))}
 
 
 @pytest.fixture(params=usable_backends(backends.ArrayBackend))

@@ -49,7 +49,7 @@ from chemio_py.backends.posix import (
     unlink_regular,
 )
 from chemio_py.errors import OutOfSpaceError, StorageError
-from chemio_py.runtime import config, pool
+from chemio_py.runtime import config, finalizers, pool
 from chemio_py.runtime.blas import cpu_share
 from chemio_py.scratch import fs
 
@@ -380,10 +380,7 @@ class LocalByteStore(_PosixFile):
                 os.close(fd)
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        finalizers.close_later(self.close)
 
 
 class LocalBackend(ScratchPlaces):
@@ -1219,10 +1216,7 @@ class LocalArrayStore(_PosixFile):
             os.close(fd)
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        finalizers.close_later(self.close)
 
 
 class _NoAgreement:

@@ -49,7 +49,7 @@ from chemio_py.backends.posix import (
     unlink_regular,
 )
 from chemio_py.errors import BackendUnavailableError, MetadataError, OutOfSpaceError, StorageError
-from chemio_py.runtime import config, requests
+from chemio_py.runtime import config, finalizers, requests
 from chemio_py.scratch import fs
 
 PIECE = 1 << 30                 # largest single MPI-IO transfer issued
@@ -432,10 +432,7 @@ class _MpiStore:
             os.close(fd)
 
     def __del__(self) -> None:
-        try:
-            self.close_local()
-        except Exception:
-            pass
+        finalizers.close_later(self.close_local)
 
 
 class MpiioByteStore(_MpiStore):

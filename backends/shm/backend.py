@@ -62,6 +62,7 @@ from chemio_py.backends.shm.budget import (
 from chemio_py.backends.shm.lock import Gate, flock_fd, ofd_lock, ofd_lock_wait
 from chemio_py.backends.shm.mapping import Window, libc_calls, map_window, round_up
 from chemio_py.errors import ChemIOError, NodeSpanError, StorageError, fmt_bytes
+from chemio_py.runtime import finalizers
 from chemio_py.scratch import fs, jobs
 
 _MODES = {
@@ -326,10 +327,7 @@ class ShmByteStore:
             pass
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        finalizers.close_later(self.close)
 
     def __repr__(self) -> str:
         return f"<ShmByteStore {self.path!r}{' closed' if self.closed else ''}>"

@@ -110,7 +110,7 @@ from chemio_py.errors import (
     OutOfSpaceError,
     StorageError,
 )
-from chemio_py.runtime import config
+from chemio_py.runtime import config, finalizers
 from chemio_py.scratch import fs, jobs
 
 SHARD_ABOVE = 2 << 20            # objects larger than this are sharded by default
@@ -1311,6 +1311,10 @@ class ZarrArrayStore:
         import dask.array as da
         return da.from_zarr(self.path, chunks=chunks if chunks is not None else self.chunks)
 
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", True)
+
     def close(self) -> None:
         """Make a persistent array's writes durable (``flush``), then release this
         process's resources (no collective call is needed; the threads' reusable buffers
@@ -1347,10 +1351,7 @@ class ZarrArrayStore:
     close_local = close
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        finalizers.close_later(self.close)
 
     # ------------------------------------------------------------ checking (chemio check)
     def verify_object(self, index: tuple) -> int:

@@ -72,7 +72,7 @@ import chemio_py.backends as _backends
 from chemio_py.arrays import attrs as _attrs, meta as _meta
 from chemio_py.arrays.diskarray import META_SUFFIX, SUFFIX, DiskArray
 from chemio_py.errors import ArgumentError, ChemIOError, MetadataError, ModeError, NotFoundError
-from chemio_py.runtime import comm as _comm, config, safejson
+from chemio_py.runtime import comm as _comm, config, finalizers, safejson
 from chemio_py.scratch import jobs
 
 GROUP_DOC = ".group.json"           # a persistent group's marker and attributes
@@ -244,13 +244,16 @@ class _State:
 
 
 def _release_quietly(state: _State) -> None:
-    """The finalizer: close what the file owned; errors can go nowhere but a warning."""
-    try:
-        state.release()
-    except Exception as e:  # noqa: BLE001
-        import warnings
-        warnings.warn(f"closing {state.filename!r} when it was garbage-collected: {e}",
-                      RuntimeWarning, stacklevel=1)
+    """The finalizer: close what the file owned (``finalizers.close_later``); errors can go
+    nowhere but a warning."""
+    def release() -> None:
+        try:
+            state.release()
+        except Exception as e:  # noqa: BLE001
+            import warnings
+            warnings.warn(f"closing {state.filename!r} when it was garbage-collected: {e}",
+                          RuntimeWarning, stacklevel=1)
+    finalizers.close_later(release)
 
 
 class _Node:

@@ -74,7 +74,7 @@ from chemio_py.files.recordformat import (
     slot_bytes,
 )
 from chemio_py.prefetch import Pipeline, WriteBehind, check_depth, quiet_wait
-from chemio_py.runtime import pool, reprs, requests, stats
+from chemio_py.runtime import finalizers, pool, reprs, requests, stats
 from chemio_py.scratch.reopen import check_state, token
 
 
@@ -794,10 +794,7 @@ class _Replay:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        finalizers.close_later(self.close)
 
 
 MAP_REPLAY = True           # replays hand out views of a mapping for hot uncompressed pages

@@ -58,7 +58,7 @@ import numpy as np
 from chemio_py.errors import (ArgumentError, ChemIOError, LimitExceededError,
                               OutOfSpaceError)
 from chemio_py.files.records import RecordFile
-from chemio_py.runtime import config
+from chemio_py.runtime import config, finalizers
 from chemio_py.runtime.comm import resolve as resolve_comm
 from chemio_py.scratch.fs import stat as fs_stat
 
@@ -744,10 +744,7 @@ class SemiDirectJK:
     def _drop(box: list) -> None:
         cache = box[0]
         if cache is not None:
-            try:
-                cache.delete()
-            except Exception:
-                pass
+            finalizers.close_later(cache.delete)
 
     def __repr__(self) -> str:
         s = self.stats

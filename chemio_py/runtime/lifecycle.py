@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, TypeVar
 
 from chemio_py.errors import ChemIOError, ModeError, SupersededError
-from chemio_py.runtime import handles, requests
+from chemio_py.runtime import finalizers, handles, requests
 
 _H = TypeVar("_H", bound="StoreHandle")
 
@@ -132,11 +132,14 @@ class StoreHandle:
         self.close()
 
     def __del__(self) -> None:
+        if self._store is not None:
+            finalizers.close_later(self._close_dropped)
+
+    def _close_dropped(self) -> None:
+        """The finalizer's close: quietly, and without the registries' locks."""
         store = self._store
-        if store is not None:       # quietly, and without the registries' locks
-            try:
-                self._pending.drain()
-                self._forget_store()
-                self.close_alone(store)
-            except Exception:
-                pass
+        if store is not None:
+            self._pending.drain()
+            self._store = None
+            self._forget_store()
+            self.close_alone(store)

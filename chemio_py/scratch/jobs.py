@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chemio_py.errors import InvalidNameError, StorageError
-from chemio_py.runtime import config
+from chemio_py.runtime import config, finalizers
 from chemio_py.runtime.ownfiles import write_all
 
 _log = logging.getLogger(__name__)
@@ -759,7 +759,9 @@ def cleanup() -> None:
     """Close this process's open chemio files and remove its scratch (unless CHEMIO_KEEP=1).
 
     Only what this very process (pid) created is removed: a fork() child never touches
-    its parent's scratch."""
+    its parent's scratch. Closes of dropped files that finalizers handed to the closer
+    thread finish first (``finalizers.settle``)."""
+    finalizers.settle(finalizers.EXIT_WAIT)
     pid = os.getpid()
     with _lock:
         objs = [o for o, who in list(_open_objects.items()) if who == pid]

@@ -227,7 +227,9 @@ for name, kind, atom, basis, spin in [("rhf", scf.RHF, "%s", "cc-pvdz", 0),
     mf.semi_direct.close()
     ref = kind(mol); ref.conv_tol = 1e-11
     out[name] = [e, float(ref.kernel()), st["batches"], st["direct_batches"], mf.cycles]
-print("RESULT", c.rank, json.dumps(out), flush=True)
+import sys                      # one write per line: two ranks' lines never interleave
+sys.stdout.write(f"RESULT {c.rank} {json.dumps(out)}\\n")
+sys.stdout.flush()
 """ % (WATER, OH, NH2)
 
 
