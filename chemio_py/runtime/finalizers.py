@@ -51,8 +51,9 @@ def close_later(job: Callable[[], object]) -> None:
 
 def settle(timeout: float | None = None) -> bool:
     """Wait until every job handed to the closer before this call has run (True), or
-    ``timeout`` seconds have passed (False). With no closer running here, runs them now."""
-    if not _closer_alive():
+    ``timeout`` seconds have passed (False). With no closer running here, or called by a
+    job on the closer itself, runs them now."""
+    if not _closer_alive() or threading.current_thread() is _closer[0]:
         _run_queued()
         return True
     done = threading.Event()

@@ -68,6 +68,15 @@ def test_the_closer_thread_runs_jobs_in_order_and_settle_waits_for_them():
     assert ran == [(i, "chemio-closer") for i in range(5)]
 
 
+def test_a_close_that_settles_on_the_closer_thread_does_not_wait_for_itself():
+    """``cio.cleanup()`` (which settles) called by a job on the closer runs what is queued."""
+    ran: list = []
+    pool.submit(lambda: (finalizers.close_later(lambda: ran.append(finalizers.settle(5))),
+                         finalizers.close_later(lambda: ran.append("after")))).wait()
+    assert finalizers.settle(30)
+    assert ran == ["after", True]          # the queued close ran inside the settle
+
+
 def test_a_failing_close_on_the_closer_thread_stops_nothing_after_it():
     ran: list = []
     pool.submit(lambda: (finalizers.close_later(lambda: 1 / 0),
