@@ -58,6 +58,33 @@ def test_an_array_dropped_inside_the_library_closes_on_the_closer_thread(backend
     assert not closed_on_pool_thread and st.closed
 
 
+def test_a_finalizer_never_waits_for_a_lock_whose_holder_waits_for_it(tmp_path):
+    """The deadlock class: one library thread holds a lock the close needs (here the read
+    mappings' lock, which every local array's close takes) and waits for another; that
+    other drops an array. Before, its finalizer blocked on the lock (the holder gave up
+    after 5 s here); now the close waits on the closer thread and the holder is answered."""
+    from chemio_py.backends.local import mappings
+    a = cio.DiskArray.create("m", (64, 64), "f8", backend="local", path=tmp_path)
+    a[...] = 1.0
+    st = a.store
+    box = [a]
+    del a
+    dropped = threading.Event()
+
+    def holder() -> bool:
+        with mappings.maps_lock:
+            pool.submit(dropper)
+            return dropped.wait(5)
+
+    def dropper() -> None:
+        box.clear()
+        gc.collect()                # the array's finalizer runs here
+        dropped.set()
+
+    assert pool.submit(holder).wait(), "the dropping thread blocked in the finalizer"
+    assert finalizers.settle(30) and st.closed
+
+
 def test_the_closer_thread_runs_jobs_in_order_and_settle_waits_for_them():
     ran: list = []
     gate = threading.Event()
