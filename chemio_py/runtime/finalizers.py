@@ -27,12 +27,13 @@ LOCKING = ("chemio_py", "threading", "queue", "concurrent.futures", "logging", "
            "zarr", "numcodecs", "h5py")
 NEUTRAL = {("threading", "_bootstrap"), ("threading", "_bootstrap_inner"),
            ("threading", "run"), ("concurrent.futures.thread", "_worker")}
-EXIT_WAIT = 60.0        # seconds interpreter exit waits for the closer to finish a job
+EXIT_WAIT = 60.0        # seconds cleanup and exit wait for the closer (once: not again)
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _closer: list = [None, -1]          # the thread and the pid that started it
 _starting = threading.Lock()
 _exiting = [False]                  # exit has settled the closer: close where dropped
+_stuck = [False]                    # a settle gave up waiting for the closer
 
 
 def close_later(job: Callable[[], object]) -> None:
@@ -58,7 +59,10 @@ def settle(timeout: float | None = None) -> bool:
         return True
     done = threading.Event()
     _jobs.put(done.set)
-    return done.wait(timeout)
+    if done.wait(timeout):
+        return True
+    _stuck[0] = True                    # exit does not wait for it a second time
+    return False
 
 
 def _safe_here(frame) -> bool:
@@ -130,10 +134,10 @@ def _settle_at_exit() -> None:
     if _closer_alive():
         _jobs.put(None)
         t = _closer[0]
-        t.join(EXIT_WAIT)
+        t.join(0.0 if _stuck[0] else EXIT_WAIT)
         if t.is_alive():
-            sys.stderr.write(f"chemio_py: at exit, a garbage-collected file was still closing "
-                             f"after {EXIT_WAIT:g} s; leaving without it\n")
+            sys.stderr.write("chemio_py: at exit, the close of a garbage-collected file had "
+                             "not ended (a call stuck in the kernel?); leaving without it\n")
             return
     _closer[:] = [None, -1]
     _run_queued()
@@ -145,7 +149,7 @@ def _after_fork_in_child() -> None:
     _jobs = queue.SimpleQueue()
     _starting = threading.Lock()
     _closer[:] = [None, -1]
-    _exiting[0] = False
+    _exiting[0] = _stuck[0] = False
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

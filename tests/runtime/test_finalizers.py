@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -154,6 +155,22 @@ def test_a_close_handed_over_just_before_exit_still_happens(backend, tmp_path):
     assert r.returncode == 0 and "dropped False" in r.stdout, (r.stdout, r.stderr)
     assert r.stderr == ""
     assert _files(d) == []
+
+
+def test_a_stuck_close_delays_the_exit_once_and_says_so():
+    """A close that never ends (a call stuck in the kernel) holds ``cio.cleanup()`` for
+    ``EXIT_WAIT`` seconds, not the exit for ever, and the exit does not wait again."""
+    code = ("import threading, chemio_py as cio\n"
+            "from chemio_py.runtime import finalizers, pool\n"
+            "finalizers.EXIT_WAIT = 1.0\n"
+            "pool.submit(lambda: finalizers.close_later(threading.Event().wait)).wait()\n"
+            "print('handed', flush=True)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "handed" in r.stdout, r.stderr
+    assert time.monotonic() - t0 < 20
+    assert r.stderr.count("had not ended") == 1, r.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
