@@ -497,6 +497,26 @@ def reap_orphan_mpich_segments(before: set[str]) -> None:
 ORPHAN_AFTER = 0.5
 
 
+def in_forked_child(check) -> None:
+    """Run ``check()`` in a forked child (which never comes back into pytest: it ends with
+    ``os._exit``) and assert that it returned True there."""
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1                                    # an exception in check()
+        try:
+            code = 0 if check() else 2
+        finally:
+            os.write(wr, bytes([code]))
+            os._exit(code)
+    os.close(wr)
+    got = os.read(rd, 1)
+    os.close(rd)
+    _, status = os.waitpid(pid, 0)
+    assert got == b"\x00" and os.waitstatus_to_exitcode(status) == 0, \
+        f"the child reported {got!r} (1: an exception, 2: the check failed)"
+
+
 def run_on_tty(argv: list[str], *, columns: int = 120, timeout: float = 120,
                **popen: Any) -> tuple[int, str, str]:
     """Run ``argv`` with stderr on a pseudo-terminal (so progress bars show) and stdout

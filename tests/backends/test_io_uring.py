@@ -18,6 +18,7 @@ from chemio_py.errors import ConfigError, EndOfFileError, OutOfSpaceError, Stora
 from chemio_py.runtime import config, requests
 from chemio_py.testing import BackendTests
 from aio_cases import threads_write_and_read
+from conftest import in_forked_child
 
 pytestmark = pytest.mark.skipif(io_uring.engine() is None, reason="no io_uring here")
 
@@ -302,25 +303,15 @@ def test_a_forked_child_makes_its_own_ring(tmp_path):
         rows[...] = 7
         f.awrite_many(np.arange(8) * K, rows).wait(timeout=10)
         f.flush()
-        rd, wr = os.pipe()
-        pid = os.fork()
-        if pid == 0:                                # the child: never returns
-            code = 1
-            try:
-                child = io_uring.engine()
-                back = cio.aligned_empty((8, K))
-                with cio.ExclusiveFile("fork", "r", dir=str(tmp_path), direct=True) as g:
-                    g.aread_many(np.arange(8)[::-1] * K, back).wait(timeout=10)
-                ok = child is not None and child is not eng and child._pid == os.getpid()
-                code = 0 if ok and (back == 7).all() and eng.poll() == 0 else 2
-            finally:
-                os.write(wr, bytes([code]))
-                os._exit(code)
-        os.close(wr)
-        got = os.read(rd, 1)
-        os.close(rd)
-        _, status = os.waitpid(pid, 0)
-        assert got == b"\x00" and os.WEXITSTATUS(status) == 0
+
+        def child() -> bool:
+            mine = io_uring.engine()
+            back = cio.aligned_empty((8, K))
+            with cio.ExclusiveFile("fork", "r", dir=str(tmp_path), direct=True) as g:
+                g.aread_many(np.arange(8)[::-1] * K, back).wait(timeout=10)
+            return (mine is not None and mine is not eng and mine._pid == os.getpid()
+                    and bool((back == 7).all()) and eng.poll() == 0)
+        in_forked_child(child)
         # the parent's ring goes on
         assert f.aread_many(np.arange(8) * K, rows).wait(timeout=10) is rows
         f.delete()

@@ -13,7 +13,7 @@ import pytest
 import chemio_py as cio
 from chemio_py.runtime import finalizers, pool
 
-from conftest import usable_backends
+from conftest import in_forked_child, usable_backends
 from chemio_py import backends
 
 
@@ -179,20 +179,10 @@ def test_a_forked_child_closes_on_its_own_closer(tmp_path):
     and the parent's queue is the parent's."""
     pool.submit(lambda: finalizers.close_later(lambda: None)).wait()
     assert finalizers.settle(30)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                        # the child
-        code = 1
-        try:
-            ran: list = []
-            pool.submit(lambda: finalizers.close_later(
-                lambda: ran.append(threading.current_thread().name))).wait()
-            code = 0 if finalizers.settle(30) and ran == ["chemio-closer"] else 2
-        finally:
-            os.write(w, bytes([code]))
-            os._exit(code)
-    os.close(w)
-    got = os.read(r, 1)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert got == b"\x00" and os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> bool:
+        ran: list = []
+        pool.submit(lambda: finalizers.close_later(
+            lambda: ran.append(threading.current_thread().name))).wait()
+        return finalizers.settle(30) and ran == ["chemio-closer"]
+    in_forked_child(child)
