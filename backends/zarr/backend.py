@@ -618,17 +618,22 @@ class ZarrArrayStore:
             chunks = self.chunks
             whole = tuple(s.stop - s.start for s in local) == chunks
             pipe = self.meta.pipeline
-            if whole and out.flags.c_contiguous:
-                if pipe.plain:
-                    nb = out.nbytes
-                    if size != nb:
-                        raise MetadataError(f"{where} has {size} bytes, expected {nb}; it is "
-                                            f"corrupt: restore it or rewrite this part")
+            if pipe.plain:
+                nb = math.prod(chunks) * self.dtype.itemsize
+                if size != nb:
+                    raise MetadataError(f"{where} has {size} bytes, expected {nb}; it is "
+                                        f"corrupt: restore it or rewrite this part")
+                if whole and out.flags.c_contiguous:
                     self._readinto(fd, out, where)
-                    return
+                else:                   # the stored elements, seen in place: one copy
+                    raw = self._pread(fd, 0, size, where, True)
+                    out[...] = np.frombuffer(raw, self.dtype).reshape(chunks)[local]
+                return
+            if whole and out.flags.c_contiguous:
                 self._decode(pipe, self._pread(fd, 0, size, where, True), out, where)
                 return
-            tmp = np.empty(chunks, self.dtype)
+            small = math.prod(chunks) * self.dtype.itemsize <= _BUF_KEEP
+            tmp = _thread_tile(chunks, self.dtype) if small else np.empty(chunks, self.dtype)
             self._decode(pipe, self._pread(fd, 0, size, where, True), tmp, where)
             out[...] = tmp[local]
         finally:
