@@ -299,17 +299,21 @@ def test_exit_leaves_a_stuck_pool_with_a_message():
     assert "finished nothing for 0.5 s" in r.stderr and "was not done" in r.stderr
 
 
-def _finalizer_during_start(module, monkeypatch, finalizer):
-    """Make every thread that ``module`` starts first run ``finalizer`` on another thread
-    and wait for it up to 2 s: what happens when a new thread runs the garbage collector
-    before it signals that it has started and a finalizer there (a dropped array's close)
-    takes a library lock. Returns the list of how each such finalizer ended."""
+def _finalizer_during_start(module, monkeypatch, finalizer, name):
+    """Make every thread named ``name...`` that ``module`` starts first run ``finalizer``
+    on another thread and wait for it up to 2 s: what happens when a new thread runs the
+    garbage collector before it signals that it has started and a finalizer there (a
+    dropped array's close) takes a library lock. Returns the list of how each such
+    finalizer ended. (Other threads started meanwhile, such as the finalizers' closer,
+    start as usual.)"""
     import threading
     ended: list = []
     real = threading.Thread
 
     class Thread(real):
         def start(self):
+            if not self.name.startswith(name):
+                return super().start()
             t = real(target=lambda: ended.append(finalizer()), daemon=True)
             t.start()
             t.join(2)
@@ -325,7 +329,8 @@ def test_the_pool_starts_its_threads_with_no_lock_held(monkeypatch):
     the pool's lock, held by the thread starting it: a deadlock)."""
     pool.reset_pool()
     try:
-        ended = _finalizer_during_start(pool, monkeypatch, lambda: pool.submit(int, 7))
+        ended = _finalizer_during_start(pool, monkeypatch, lambda: pool.submit(int, 7),
+                                       "chemio-io")
         assert pool.submit(int, 3).wait() == 3
         assert ended and "blocked" not in ended, ended
         assert [r.wait() for r in ended] == [7] * len(ended)    # and their work ran
@@ -344,7 +349,8 @@ def test_the_zarr_reaper_starts_its_thread_with_no_lock_held(monkeypatch, tmp_pa
     d = cio.DiskArray.create("r", (8, 8), "f8", chunks=(4, 4), backend="zarr", path=tmp_path)
     d[...] = 1.0
     other = cio.DiskArray.create("o", (4, 4), "f8", backend="zarr", path=tmp_path)
-    ended = _finalizer_during_start(zb, monkeypatch, lambda: zb._REAPER.settle(other.store))
+    ended = _finalizer_during_start(zb, monkeypatch, lambda: zb._REAPER.settle(other.store),
+                                   "chemio-zarr-reaper")
     d[...] = 2.0                     # rewrites: the old objects go to the reaper
     assert ended == [None], ended
     np.testing.assert_array_equal(d[...], 2.0)
