@@ -145,14 +145,14 @@ def _wait_arg(ns: int) -> tuple:
     return ts, arg, ctypes.c_void_p(ctypes.addressof(arg))
 
 
-class _Req(requests.NativeRequest):
+class _Req(linux_aio.EngineRequest):
     """A request of the engine: one transfer (``results`` a list of one) or a group.
 
     Under way in the kernel from the start, so it cannot be cancelled; ``wait()`` reaps
-    completions in the waiting thread (``progress``).
+    completions in the waiting thread, ``done()`` collects them from memory first.
     """
 
-    __slots__ = ("_eng", "_keep", "_then", "_t0", "_results", "_left", "_group", "_fd",
+    __slots__ = ("_keep", "_then", "_t0", "_results", "_left", "_group", "_fd",
                  "_write", "_addrs", "_sizes", "_offs", "_done", "_tries")
 
     def __init__(self, eng: "Engine", stats: Any, keep: Any, then: Callable, n: int,
@@ -166,17 +166,6 @@ class _Req(requests.NativeRequest):
         self._addrs, self._sizes, self._offs = addrs, sizes, offs
         self._done: dict | None = None  # bytes done of a transfer that was continued
         self._tries: dict | None = None
-
-    def progress(self, deadline: float | None) -> bool:
-        return self._eng._wait(self, deadline)
-
-    def done(self) -> bool:
-        """Whether it is complete; a probe of a pending request first collects the
-        transfers that have finished (from memory), as ``wait()`` would."""
-        if _is_done(self):
-            return True
-        self._eng.poll()
-        return _is_done(self)
 
     def part(self, i: int) -> tuple[int, int, int]:
         """Address, size and offset of transfer ``i``."""

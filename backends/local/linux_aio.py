@@ -89,14 +89,33 @@ class _Event(ctypes.Structure):
                 ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
 
 
-class _Req(requests.NativeRequest):
+class EngineRequest(requests.NativeRequest):
+    """A request of a kernel engine (this one or io_uring's) whose callers collect its
+    completions themselves: ``wait()`` reaps in the waiting thread (``progress``), and a
+    ``done()`` probe of a pending request first collects the transfers that have finished
+    (``poll``, no wait), as ``wait()`` would."""
+
+    __slots__ = ("_eng",)
+    _eng: Any
+
+    def progress(self, deadline: float | None) -> bool:
+        return self._eng._wait(self, deadline)
+
+    def done(self) -> bool:
+        if _is_done(self):
+            return True
+        self._eng.poll()
+        return _is_done(self)
+
+
+class _Req(EngineRequest):
     """A request of the engine: one transfer (``results`` None) or a group of them.
 
     It is under way in the kernel from the start, so it cannot be cancelled; ``wait()``
-    reaps completions in the waiting thread (``progress``; see the module docstring).
+    reaps completions in the waiting thread (see the module docstring).
     """
 
-    __slots__ = ("_eng", "_keep", "_then", "_t0", "_results", "_left")
+    __slots__ = ("_keep", "_then", "_t0", "_results", "_left")
 
     def __init__(self, eng: "Engine", stats: Any, keep: Any, then: Callable, n: int,
                  group: bool):
@@ -105,17 +124,6 @@ class _Req(requests.NativeRequest):
         self._t0 = time.perf_counter()
         self._results = [0] * n if group else None
         self._left = n                      # transfers not reaped yet
-
-    def progress(self, deadline: float | None) -> bool:
-        return self._eng._wait(self, deadline)
-
-    def done(self) -> bool:
-        """Whether it is complete; a probe of a pending request first collects the
-        transfers that have finished (no wait), as ``wait()`` would."""
-        if _is_done(self):
-            return True
-        self._eng.poll()
-        return _is_done(self)
 
 
 class TokenReaper:
