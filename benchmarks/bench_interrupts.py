@@ -18,10 +18,13 @@ Paths (``--kind``, repeatable):
 * ``aread_many``: ``ExclusiveFile.aread_many`` of 64 transfers of 4 KiB at a time on an
   O_DIRECT file (groups of control blocks), the file opened and closed each operation.
 
-Each kind runs in worker processes (``--worker``) under a watchdog: ``faulthandler`` dumps
-every thread's stack and ends the worker when one iteration takes ``--hang-timeout``
-seconds; the launcher counts that as a hang, keeps the stacks and starts a new worker for
-the interrupts still to go (at most ``--max-hangs`` times). The direct and AIO kinds need
+Each kind runs in worker processes (``--worker``) under a watchdog that prints the AIO
+engine's state and every thread's stack and ends the worker when one iteration takes
+``--hang-timeout`` seconds; the launcher counts that as a hang, keeps the stacks and starts
+a new worker for the interrupts still to go (at most ``--max-hangs`` times). An iteration
+whose work directory's device still has requests in flight is a stall, not a hang: the
+device is slow (another job's writes or discards on a shared node), and it may take up to
+``STALL_LIMIT`` seconds; stalls are counted apart. The direct and AIO kinds need
 O_DIRECT on the work directory's file system: the worker reports them skipped otherwise.
 
     python benchmarks/bench_interrupts.py --kind direct --interrupts 500
@@ -39,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -49,6 +53,7 @@ KINDS = ("direct", "cached", "writebehind", "replay", "aread_many")
 INTERRUPTS = 500                # per kind, full run
 QUICK_INTERRUPTS = 100
 HANG_TIMEOUT = 10.0             # seconds one iteration may take (a normal one: < 0.5 s)
+STALL_LIMIT = 60.0              # ... while the device still has requests in flight
 MAX_HANGS = 5                   # workers started again after a hang, at most
 ROWS, COLS, BLOCK = 2048, 4096, 256     # 64 MiB of float64, 8 MiB blocks (chunks of rows)
 K = 4096
@@ -239,6 +244,66 @@ class _Skip(Exception):
     pass
 
 
+class _Watchdog:
+    """Ends the worker on a hang: an iteration (``arm``) running ``timeout`` seconds while
+    the work directory's device has nothing in flight, or ``STALL_LIMIT`` seconds in any
+    case. It prints the AIO engine's state and every thread's stack first. faulthandler's
+    own timer stays armed behind it, for a thread that never lets the GIL go."""
+
+    def __init__(self, timeout: float, workdir: str, eng: Any) -> None:
+        self.timeout, self.eng = timeout, eng
+        dev = os.stat(workdir).st_dev
+        self.inflight = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/inflight"
+        self.started: float | None = None
+        self.stalled, self.stalls = False, 0
+        threading.Thread(target=self._watch, name="storm-watchdog", daemon=True).start()
+
+    def arm(self) -> None:
+        self.stalled = False
+        self.started = time.monotonic()
+        faulthandler.dump_traceback_later(STALL_LIMIT + 10, exit=True)
+
+    def device_busy(self) -> bool:
+        try:
+            with open(self.inflight) as f:
+                return any(int(v) for v in f.read().split())
+        except (OSError, ValueError):
+            return False                # (no block device: a tmpfs, an overlay)
+
+    def state(self) -> str:
+        eng = self.eng
+        if eng is None:
+            return "no AIO engine"
+        text = f"AIO engine: {eng.in_flight} transfers in flight, {len(eng._waiting)} waiting"
+        ctx = getattr(getattr(eng, "_ctx", None), "value", 0)
+        if ctx:     # the kernel's completion ring, mapped here: head and tail
+            import ctypes
+            head = ctypes.c_uint.from_address(ctx + 8).value
+            tail = ctypes.c_uint.from_address(ctx + 12).value
+            text += f"; ring head {head}, tail {tail}"
+        return text + f"; device busy: {self.device_busy()}; load {os.getloadavg()}"
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.25)
+            t0 = self.started
+            if t0 is None:
+                continue
+            late = time.monotonic() - t0
+            if late < self.timeout:
+                continue
+            if late < STALL_LIMIT and self.device_busy():
+                if not self.stalled:
+                    self.stalled = True
+                    self.stalls += 1
+                    print(f"stall: {self.state()}", file=sys.stderr, flush=True)
+                continue
+            print(f"Timeout ({late:.0f} s): {self.state()}", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            print(f"hung: {self.state()}", file=sys.stderr, flush=True)   # (the tail is kept)
+            os._exit(1)
+
+
 def worker(kind: str, interrupts: int, seed: int, workdir: str, hang_timeout: float) -> dict:
     """Run ``kind`` until ``interrupts`` handler raises landed inside operations."""
     alarm = _Alarm()
@@ -251,12 +316,14 @@ def worker(kind: str, interrupts: int, seed: int, workdir: str, hang_timeout: fl
         out["skipped"] = str(e)
         return out
     t0 = time.perf_counter()
-    faulthandler.dump_traceback_later(hang_timeout * 3, exit=True)
+    watch = _Watchdog(hang_timeout * 3, workdir, paths.eng)
+    watch.arm()
     paths.op(-1)                        # one pass without interrupts: its length
     span = max(time.perf_counter() - t0, 0.002)
     it = 0
+    watch.timeout = hang_timeout
     while alarm.raised < interrupts:
-        faulthandler.dump_traceback_later(hang_timeout, exit=True)
+        watch.arm()
         if rng.random() < 0.5:          # early moments (set-up, first steps) in detail
             delay = math.exp(rng.uniform(math.log(20e-6), math.log(1.3 * span)))
         else:                           # anywhere in the operation
@@ -282,6 +349,7 @@ def worker(kind: str, interrupts: int, seed: int, workdir: str, hang_timeout: fl
         it += 1
         if alarm.raised > before:
             print(f"landed {alarm.raised}", flush=True)
+    watch.started = None
     faulthandler.cancel_dump_traceback_later()
     out.update(interrupts=alarm.raised, iterations=it, blocks=paths.blocks_seen,
                seconds=time.perf_counter() - t0)
@@ -293,7 +361,7 @@ def worker(kind: str, interrupts: int, seed: int, workdir: str, hang_timeout: fl
 def storm(kind: str, interrupts: int, workdir: str, seed: int = 0,
           hang_timeout: float = HANG_TIMEOUT, max_hangs: int = MAX_HANGS) -> dict:
     """Run ``kind`` in worker processes until ``interrupts`` landed; count the hangs."""
-    done, hangs, stacks, failures, iterations = 0, 0, [], [], 0
+    done, hangs, stalls, stacks, failures, iterations = 0, 0, 0, [], [], 0
     t0 = time.perf_counter()
     result: dict[str, Any] = {}
     attempt = 0
@@ -313,6 +381,7 @@ def storm(kind: str, interrupts: int, workdir: str, seed: int = 0,
         finally:
             shutil.rmtree(wdir, ignore_errors=True)
         attempt += 1
+        stalls += proc.stderr.count("stall: ") if proc is not None else 0
         last = [ln for ln in (proc.stdout if proc else "").splitlines() if ln.strip()]
         if proc is not None and proc.returncode == 0 and last and last[-1].startswith("{"):
             result = json.loads(last[-1])
@@ -335,7 +404,7 @@ def storm(kind: str, interrupts: int, workdir: str, seed: int = 0,
         if hangs + len(failures) > max_hangs:
             break
     return {"kind": kind, "interrupts": done, "hangs": hangs, "failures": failures,
-            "stacks": stacks, "iterations": iterations,
+            "stacks": stacks, "iterations": iterations, "stalls": stalls,
             "seconds": time.perf_counter() - t0}
 
 
@@ -343,7 +412,8 @@ def report(s: dict) -> str:
     if "skipped" in s:
         return f"{s['kind']}: skipped ({s['skipped']})"
     text = (f"{s['kind']}: {s['interrupts']} interrupts in {s['iterations']} operations, "
-            f"hangs {s['hangs']}, failures {len(s['failures'])}, {s['seconds']:.1f} s")
+            f"hangs {s['hangs']}, failures {len(s['failures'])}, "
+            f"device stalls {s['stalls']}, {s['seconds']:.1f} s")
     for f in s["failures"][:3]:
         text += "\n  failure: " + f.strip()[-2000:]
     for st in s["stacks"][:2]:

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -351,3 +352,43 @@ def test_aread_awrite_close_survive_an_interrupt_storm(tmp_path):
     assert out["failures"] == [], "\n".join(out["failures"][:3])
     assert out["interrupts"] >= 200
     assert not [p for p in scr.rglob("*") if p.is_file()]
+
+
+WATCHDOG = r'''
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import bench_interrupts as b
+b.STALL_LIMIT = float(sys.argv[4])
+w = b._Watchdog(0.3, sys.argv[2], None)
+if sys.argv[3] != "-":
+    w.inflight = sys.argv[3]            # the device's in-flight counts, as the kernel shows them
+w.arm()
+time.sleep(float(sys.argv[5]))
+print("survived", w.stalls)
+'''
+
+
+@pytest.mark.parametrize("inflight, ends", [("0 0", True), ("0 3", True), ("0 3", False)])
+def test_the_storm_watchdog_tells_a_hang_from_a_device_stall(tmp_path, inflight, ends):
+    """An iteration past the hang timeout with nothing in flight on the device ends the
+    worker at once with the marker the launcher counts as a hang; one whose device still
+    has requests in flight is a stall, waited for up to STALL_LIMIT (then a hang too)."""
+    import subprocess
+    counts = tmp_path / "inflight"
+    counts.write_text(inflight + "\n")
+    busy = inflight != "0 0"
+    limit, sleep = ("1.0", "6") if ends else ("30", "2")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG, bench_interrupts.HERE,
+                           str(tmp_path), str(counts), limit, sleep],
+                          capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    if ends:
+        assert proc.returncode == 1 and "Timeout (" in proc.stderr, proc.stderr[-3000:]
+        assert "hung: no AIO engine" in proc.stderr
+        assert ("stall: " in proc.stderr) == busy
+        assert took < 5.5                       # not the full sleep
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split() == ["survived", "1"]
+        assert proc.stderr.count("stall: ") == 1
