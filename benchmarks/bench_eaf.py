@@ -39,11 +39,13 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 from common import (KiB, evict, fio_available, mib_s, payload, resident_fraction,  # noqa: E402
                     row, run_fio, slot_permutation)
 
 FULL_SIZE = 80_000_000
 QUICK_SIZE = 8_000_000
+SMOKE_SIZE = 3_200_000      # two of the largest chunk
 CHUNKS = (1_600, 16_000, 160_000, 1_600_000)
 ASYNC_CHUNKS = (4 * KiB, 16 * KiB)
 IN_FLIGHT = 16
@@ -349,7 +351,7 @@ def _async_case(workdir: str, src: np.ndarray, dst: np.ndarray, size: int, chunk
     rows.append(row(f"warm read {label}: eaf async x{IN_FLIGHT} (request ceiling)", "reads/s",
                     nops / tw, note="all data in the page cache: cost of the request "
                     f"machinery alone, {1e6 * tw / nops:.1f} us per request"))
-    if fio_available():
+    if fio_available() and not common.SMOKE:
         try:
             qd = {q: run_fio(name=f"rr{q}", filename=path, rw="randread", bs=chunk,
                              size=pat.nbytes, ioengine="libaio", iodepth=q, direct=1,
@@ -398,8 +400,8 @@ def _per_call_case(workdir: str, quick: bool) -> list[dict]:
     alternate, and each figure is the fastest of the repetitions (the least disturbed)."""
     import chemio_py as cio
 
-    calls = 5_000 if quick else 40_000
-    reps = 5 if quick else 11
+    calls = 200 if common.SMOKE else 5_000 if quick else 40_000
+    reps = 1 if common.SMOKE else 5 if quick else 11
     rows = []
     for size in PER_CALL_SIZES:
         buf = bytearray(os.urandom(size))
@@ -447,12 +449,13 @@ def _per_call_case(workdir: str, quick: bool) -> list[dict]:
 
 
 def run(quick: bool, workdir: str) -> list[dict]:
-    """The EAF case; ``quick`` uses an 8 MB file and 3 repetitions instead of 80 MB and 5."""
+    """The EAF case; ``quick`` uses an 8 MB file and 3 repetitions instead of 80 MB and 5
+    (``--smoke``: 3.2 MB, one repetition, no fio)."""
     from chemio_py import aligned_empty
     from chemio_py.runtime import config
 
-    size = QUICK_SIZE if quick else FULL_SIZE
-    reps = 3 if quick else 5
+    size = SMOKE_SIZE if common.SMOKE else QUICK_SIZE if quick else FULL_SIZE
+    reps = 1 if common.SMOKE else 3 if quick else 5
     src = payload(size, seed=2)
     dst = aligned_empty(size)               # page-aligned, so O_DIRECT reads can use it
     dst[:] = 0                              # touched now, so no page faults while timing

@@ -245,6 +245,8 @@ def run_fio(timeout: float = 600, **job: Any) -> dict | None:
 
 # ------------------------------------------------------------------ result rows
 
+# Set by ``runner.py --smoke``: the least work that still makes every row (a harness check).
+SMOKE = False
 ROW_KEYS = ("case", "metric", "value", "baseline_name", "baseline", "ratio", "target", "note")
 
 

@@ -153,6 +153,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only this benchmark (e.g. eaf or bench_eaf); repeatable")
     p.add_argument("--quick", action="store_true",
                    help="small sizes for a sanity check (each benchmark < 60 s)")
+    p.add_argument("--smoke", action="store_true",
+                   help="--quick with the least work that still makes every row (benchmarks "
+                        "that read common.SMOKE: eaf): checks the harness, the figures mean "
+                        "nothing")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="where results.json and results.md go (default ./bench-results)")
     p.add_argument("--workdir", default=None, metavar="DIR",
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
     except SystemExit as e:            # argparse exits; callers want a status
         return int(e.code or 0)
+    if args.smoke:
+        args.quick = common.SMOKE = True
     if not os.path.isdir(args.dir):
         print(f"chemio bench: --dir {args.dir!r} is not a directory", file=sys.stderr)
         return 2
@@ -218,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chemio bench: --workdir {base!r} is not a directory", file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="chemio-bench-", dir=base)
-    results: dict[str, Any] = {"quick": args.quick, "machine": common.machine_info(work),
-                               "benchmarks": {}, "rows": []}
+    results: dict[str, Any] = {"quick": args.quick, "smoke": args.smoke,
+                               "machine": common.machine_info(work), "benchmarks": {},
+                               "rows": []}
     status = 0
     say = (lambda msg: None) if args.quiet else (lambda msg: progress.write(msg, sys.stdout))
     bar = progress.Progress(False if args.quiet else progress.AUTO, len(selected),

@@ -35,11 +35,12 @@ def _run(tmp_path, *args, timeout=240):
 
 @pytest.fixture(scope="module")
 def eaf_quick(tmp_path_factory):
-    """One quick run of the EAF benchmark through the runner, in a subprocess."""
+    """One smoke run (quick, least work) of the EAF benchmark through the runner, in a
+    subprocess."""
     tmp = tmp_path_factory.mktemp("bench")
     work = tmp / "work"
     work.mkdir()
-    proc = _run(tmp, "--quick", "--only", "eaf", "--workdir", str(work))
+    proc = _run(tmp, "--smoke", "--only", "eaf", "--workdir", str(work))
     return tmp, work, proc
 
 
@@ -48,7 +49,7 @@ def test_eaf_quick_run_writes_complete_results(eaf_quick):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp / "bench-results"                     # the default --out, relative to cwd
     data = json.loads((out / "results.json").read_text())
-    assert data["quick"] is True
+    assert data["quick"] is True and data["smoke"] is True
     assert MACHINE_KEYS <= set(data["machine"])
     assert data["machine"]["cpu_count"] == os.cpu_count()
     assert data["machine"]["numpy"] == np.__version__
