@@ -254,11 +254,15 @@ def small_fs(make_tmpfs):
 ALONE = (
     "tests/adversarial/test_adv_stress_smoke.py::",     # no new MPICH segment in /dev/shm
     "tests/project/test_examples.py::test_checkpoint_sigkill_mpi_then_resume_serial",  # unlinks
-    "tests/backends/test_mpiio.py::test_iwrite_iread_past_2gib",        # > 2 GiB of RAM each
-    "tests/backends/test_mpiio.py::test_collective_write_past_2gib",
     # 10,000 collective calls of 2 spinning ranks: 9 s alone, 31 s beside another worker
     "tests/backends/test_mpiio.py::test_no_datatype_leak_in_10000_collective_calls",
     "tests/runtime/test_many_ranks.py::",              # 8 ranks on 2 cores: one at a time
+)
+# Tests that hold 6-9 GB of RAM each: never two of them at once, but beside ordinary tests
+# (as alone tests, the other worker idled through their 30 s).
+BIG_MEMORY = (
+    "tests/backends/test_mpiio.py::test_iwrite_iread_past_2gib",
+    "tests/backends/test_mpiio.py::test_collective_write_past_2gib",
 )
 _WORKER_LEAKS: list[str] = []           # the controller: what the workers reported
 _WORKER_PIDS: set[int] = set()
@@ -278,28 +282,36 @@ def pytest_itemcollected(item):
     ``xdist_group`` would not: pytest-xdist 3.8's loadgroup spread one group over workers)."""
     if item.nodeid.startswith(ALONE):
         item.add_marker(pytest.mark.alone)
+    if item.nodeid.startswith(BIG_MEMORY):
+        item.add_marker(pytest.mark.big_memory)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, hold the workers' shared lock around a test (setup to teardown): shared
-    for most, exclusive for ``alone`` tests."""
+    for most, exclusive for ``alone`` tests; ``big_memory`` tests also hold their own
+    exclusive lock, taken after the shared one."""
     locks = os.environ.get("CIO_TESTS_LOCKS") if WORKER else None
     if not locks:
         yield
         return
     import fcntl
     alone = item.get_closest_marker("alone") is not None
+    big = item.get_closest_marker("big_memory") is not None
     # A turnstile before the readers' lock: a waiting exclusive test lets no new test start.
     turn = os.open(os.path.join(locks, "turnstile"), os.O_RDWR | os.O_CREAT, 0o600)
     main = os.open(os.path.join(locks, "tests"), os.O_RDWR | os.O_CREAT, 0o600)
+    memory = os.open(os.path.join(locks, "big_memory"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(turn, fcntl.LOCK_EX)
         fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(turn, fcntl.LOCK_UN)
+        if big:
+            fcntl.flock(memory, fcntl.LOCK_EX)
         yield
     finally:
+        os.close(memory)
         os.close(main)
         os.close(turn)
 
