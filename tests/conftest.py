@@ -93,6 +93,41 @@ def library_bytecode():
                 os.environ[k] = v
 
 
+_SEEDER: list = []                  # the controller's thread filling the cache (below)
+_SEEDER_STOP = threading.Event()
+
+
+def _seed_library_bytecode(prefix: str) -> None:
+    """Link the standard library's and the installed libraries' own bytecode into the run's
+    cache, where the children look for it: otherwise the first children of a run compiled
+    numpy, dask, zarr, h5py, PySCF... again (9 s of CPU for one process, more when ranks
+    start together). A stale one is replaced in the cache by the child, never written
+    through the link; one a child compiled first stays."""
+    import sysconfig
+    tag = f".{sys.implementation.cache_tag}.pyc"
+    paths = sysconfig.get_paths()
+    for root in {paths["stdlib"], paths["purelib"], paths["platlib"]}:
+        for dirpath, _dirs, files in os.walk(root):
+            if _SEEDER_STOP.is_set():
+                return
+            if os.path.basename(dirpath) != "__pycache__":
+                continue
+            mirror = prefix + os.path.dirname(dirpath)
+            names = [f for f in files if f.endswith(tag)]     # not the .opt-N ones
+            if names:
+                os.makedirs(mirror, exist_ok=True)
+                for f in names:
+                    with contextlib.suppress(OSError):
+                        os.symlink(os.path.join(dirpath, f), os.path.join(mirror, f))
+
+
+def _remove_bytecode_cache() -> None:
+    if _SEEDER:
+        _SEEDER_STOP.set()
+        _SEEDER[0].join(30)
+    shutil.rmtree(_PYCACHE, ignore_errors=True)
+
+
 if not _HELPER_PROCESS and os.environ.get("PYTHONDONTWRITEBYTECODE"):
     if WORKER:
         _PYCACHE = os.environ.get("CIO_TESTS_PYCACHE")
@@ -100,6 +135,9 @@ if not _HELPER_PROCESS and os.environ.get("PYTHONDONTWRITEBYTECODE"):
     else:
         _PYCACHE = tempfile.mkdtemp(prefix="cio-tests-pycache-")
         os.environ["CIO_TESTS_PYCACHE"] = _PYCACHE
+        _SEEDER.append(threading.Thread(target=_seed_library_bytecode, args=(_PYCACHE,),
+                                        name="cio-tests-seed-bytecode", daemon=True))
+        _SEEDER[0].start()          # 3-7 s: the workers start and collect meanwhile
 
 
 def _remove_own_dirs_at_exit() -> None:
@@ -110,7 +148,7 @@ def _remove_own_dirs_at_exit() -> None:
         with contextlib.suppress(OSError, TypeError):
             os.rmdir(d)
     if _PYCACHE and not WORKER:                     # the bytecode cache made here
-        shutil.rmtree(_PYCACHE, ignore_errors=True)
+        _remove_bytecode_cache()
 
 
 if not _HELPER_PROCESS:
@@ -177,9 +215,10 @@ def warm_store(store) -> str:
 def process_threads() -> set[int]:
     """Threads that are not the process's own: the I/O pool's and mpiio's completion thread
     (``chemio-io*``), shm's lock janitor (``chemio-shm-locks``) and the finalizers' closer
-    (``chemio-closer``) live on once started."""
+    (``chemio-closer``) live on once started; the suite's own (``cio-tests-``) is not one."""
     return {t.ident for t in threading.enumerate()
-            if not t.name.startswith(("chemio-io", "chemio-shm-locks", "chemio-closer"))}
+            if not t.name.startswith(("chemio-io", "chemio-shm-locks", "chemio-closer",
+                                      "cio-tests-"))}
 
 
 @pytest.fixture(params=usable_backends(backends.ArrayBackend))
@@ -353,7 +392,7 @@ def pytest_sessionfinish(session, exitstatus):
     if locks:
         shutil.rmtree(locks, ignore_errors=True)
     if _PYCACHE:
-        shutil.rmtree(_PYCACHE, ignore_errors=True)
+        _remove_bytecode_cache()
     if left or shm_left or _WORKER_LEAKS:
         print(f"\nLEAK: scratch root {left[:10]}, shm {shm_left[:10]}"
               + "".join(f"\nLEAK: {w}" for w in _WORKER_LEAKS), file=sys.stderr)
