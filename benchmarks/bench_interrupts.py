@@ -274,7 +274,10 @@ class _Watchdog:
         eng = self.eng
         if eng is None:
             return "no AIO engine"
-        text = f"AIO engine: {eng.in_flight} transfers in flight, {len(eng._waiting)} waiting"
+        text = (f"AIO engine: {eng.in_flight} transfers in flight, {len(eng._waiting)} "
+                f"waiting, {getattr(eng, 'reaped', '?')} completions reaped, "
+                f"{getattr(eng, 'handed', '?')} delivered, last error "
+                f"{getattr(eng, 'last_error', None)}")
         ctx = getattr(getattr(eng, "_ctx", None), "value", 0)
         if ctx:     # the kernel's completion ring, mapped here: head and tail
             import ctypes

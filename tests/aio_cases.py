@@ -39,3 +39,41 @@ def threads_write_and_read(f, threads: int = 4, rounds: int = 64) -> None:
         th.join(60)
     assert not any(th.is_alive() for th in pool)
     assert errors == []
+
+
+class Escape(BaseException):
+    """What a completion callback might let escape (not an Exception)."""
+
+
+def reaper_lives_on_after_a_callback_escapes(eng, fd: int) -> None:
+    """Two reads of the O_DIRECT descriptor ``fd`` that nobody waits for; the first one's
+    callback raises a BaseException on the reaper thread. Each must be completed by the
+    reaper all the same. While a read is submitted and its callback attached, a helper
+    thread holds the engine's token, so nothing delivers it before the callback is on."""
+    import time
+
+    from chemio_py.runtime import requests
+    buf = cio.aligned_empty(K)
+    for k in range(2):
+        held, release = threading.Event(), threading.Event()
+
+        def hold(held=held, release=release) -> None:
+            with eng._token:
+                held.set()
+                release.wait(10)
+        t = threading.Thread(target=hold)
+        t.start()
+        try:
+            assert held.wait(10)
+            req = eng.submit(False, fd, buf.ctypes.data, K, k * K, buf, lambda n, t0, t1: n)
+            assert req is not None
+            if k == 0:
+                req.add_done_callback(lambda r: (_ for _ in ()).throw(Escape("callback")))
+        finally:
+            release.set()
+            t.join(10)
+        deadline = time.monotonic() + 10
+        while not requests.Request.done(req) and time.monotonic() < deadline:
+            time.sleep(0.01)                # (not wait() or done(): they would reap here)
+        assert requests.Request.done(req), f"read {k} was not completed by the reaper"
+        assert req.wait() == K

@@ -145,6 +145,11 @@ def _wait_arg(ns: int) -> tuple:
     return ts, arg, ctypes.c_void_p(ctypes.addressof(arg))
 
 
+def _value(req: "_Req") -> Any:
+    """What a finished request's ``then`` gets: the results of a group, one transfer's."""
+    return req._results if req._group else req._results[0]
+
+
 class _Req(linux_aio.EngineRequest):
     """A request of the engine: one transfer (``results`` a list of one) or a group.
 
@@ -617,20 +622,8 @@ class Engine(linux_aio.TokenReaper):
                 self._sfree.extend(singles)
         if again:
             self._requeue(again)
-        if not finished:
-            return
-        me = threading.current_thread()
-        name = me.name
-        if name != _TRACK:          # a waiter delivering: under the I/O track's name
-            me.name = _TRACK
-        try:
-            for req in finished:
-                req.complete_with(req._then, req._results if req._group else
-                                  req._results[0], req._t0, t1)
-                req._keep = None
-        finally:
-            if name != _TRACK:
-                me.name = name
+        if finished:
+            linux_aio.complete_all(finished, _value, t1)
 
     def _settle_odd(self, req: _Req, i: int, res: int, size: int) -> bool:
         """A result other than the full size: True when transfer ``i`` is over (its final
@@ -708,6 +701,8 @@ class Engine(linux_aio.TokenReaper):
             if self._token.acquire(False):
                 try:
                     self._collect()
+                except BaseException:  # noqa: BLE001 - a callback's; all were completed
+                    pass            # first: the reaper must live on
                 finally:
                     self._token.release()
             time.sleep(GRACE)

@@ -126,6 +126,36 @@ class _Req(EngineRequest):
         self._left = n                      # transfers not reaped yet
 
 
+def _results(req: _Req) -> Any:
+    req._left = 0
+    return req._results
+
+
+def complete_all(finished: list, value: Callable[[Any], Any], t1: float) -> None:
+    """Complete each request of ``finished`` with ``req._then(value(req), req._t0, t1)``,
+    under the I/O track's thread name (what traces and callbacks see), and let go of its
+    buffer. An exception escaping one (a callback's ``BaseException``) leaves none of the
+    others behind: it is raised once all are complete."""
+    me = threading.current_thread()
+    name = me.name
+    if name != _TRACK:          # a waiter delivering: as the AIO thread
+        me.name = _TRACK
+    first = None
+    try:
+        for req in finished:
+            try:
+                req.complete_with(req._then, value(req), req._t0, t1)
+            except BaseException as e:  # noqa: BLE001 - raised once all are complete
+                if first is None:
+                    first = e
+            req._keep = None
+    finally:
+        if name != _TRACK:
+            me.name = name
+    if first is not None:
+        raise first
+
+
 class TokenReaper:
     """The wait of an engine whose waiters reap for themselves: one thread at a time holds
     ``_token`` and collects completions (``_wait_step``: a count, -errno, or None when
@@ -209,6 +239,10 @@ class Engine(TokenReaper):
         self._gkind = [(-1, -1, 0)] * BLOCKS   # (op_fd, size, rows) last written per block
         self._counts = [ctypes.c_long(k) for k in range(BLOCK + 1)]
         self._busy = 0                      # transfers submitted, not delivered yet
+        # Completions taken from the kernel, and of them those whose delivery ended (the two
+        # differ only while one is delivered, or if a delivery was cut short: last_error)
+        self.reaped = self.handed = 0
+        self.last_error: str | None = None
         self._waiting: list = []            # one item per thread in _wait
         self._last_wait = 0.0
         self._no_wait = ctypes.byref(_Timespec(0, 0))
@@ -387,20 +421,8 @@ class Engine(TokenReaper):
             self._busy -= members + len(singles)
             self._gfree.extend(freed)
             self._free.extend(singles)
-        if not finished:
-            return
-        me = threading.current_thread()
-        name = me.name
-        if name != _TRACK:      # a waiter delivering: as the AIO thread (trace track, callbacks)
-            me.name = _TRACK
-        try:
-            for req in finished:
-                req._left = 0
-                req.complete_with(req._then, req._results, req._t0, t1)
-                req._keep = None
-        finally:
-            if name != _TRACK:
-                me.name = name
+        if finished:
+            complete_all(finished, _results, t1)
 
     def _reap(self, min_nr: int, timeout: Any) -> int:
         """Holding the token: collect finished transfers and complete their requests.
@@ -408,7 +430,13 @@ class Engine(TokenReaper):
         call = self._syscall_now if timeout is self._no_wait else self._syscall
         n = call(self._nr[2], self._ctx, min_nr, BATCH, self._events, timeout)
         if n > 0:
-            self._deliver(self._event_rows[:n].tolist(), time.perf_counter())
+            self.reaped += n
+            try:
+                self._deliver(self._event_rows[:n].tolist(), time.perf_counter())
+            except BaseException as e:
+                self.last_error = repr(e)
+                raise
+            self.handed += n
             return n
         return -ctypes.get_errno() if n < 0 else 0
 
@@ -452,6 +480,8 @@ class Engine(TokenReaper):
                     n = self._reap(min(busy // 4, BATCH), self._reaper_wait)
                 else:               # a timeout: others may need the token meanwhile
                     n = self._reap(1, self._idle_wait)
+            except BaseException:  # noqa: BLE001 - a callback's; all were completed first
+                n = 0               # (kept in last_error): the reaper must live on
             finally:
                 self._token.release()
             if n < 0 and n != -errno.EINTR:

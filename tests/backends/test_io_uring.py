@@ -17,7 +17,7 @@ from chemio_py.prefetch import iter_blocks
 from chemio_py.errors import ConfigError, EndOfFileError, OutOfSpaceError, StorageError
 from chemio_py.runtime import config, requests
 from chemio_py.testing import BackendTests
-from aio_cases import threads_write_and_read
+from aio_cases import reaper_lives_on_after_a_callback_escapes, threads_write_and_read
 from conftest import in_forked_child
 
 pytestmark = pytest.mark.skipif(io_uring.engine() is None, reason="no io_uring here")
@@ -375,3 +375,19 @@ class TestLocalIoUring(BackendTests):
         config.configure(direct=True)
         yield
         config.configure(direct=None)
+
+
+def test_the_reaper_lives_on_after_a_callback_escapes(tmp_path):
+    """As for Linux AIO (``aio_cases``): a callback that lets a BaseException escape on the
+    reaper thread neither kills it nor strands the read."""
+    path = str(tmp_path / "reaper")
+    with open(path, "wb") as f:
+        f.write(bytes(1 << 20))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    try:
+        reaper_lives_on_after_a_callback_escapes(io_uring.engine(), fd)
+    finally:
+        os.close(fd)

@@ -14,7 +14,7 @@ import pytest
 import chemio_py as cio
 from chemio_py.backends.local import linux_aio
 from chemio_py.runtime import config, requests
-from aio_cases import threads_write_and_read
+from aio_cases import Escape, reaper_lives_on_after_a_callback_escapes, threads_write_and_read
 
 pytestmark = pytest.mark.skipif(linux_aio.engine() is None, reason="no Linux AIO here")
 
@@ -315,3 +315,57 @@ def test_the_reaper_completes_hundreds_in_flight_that_nobody_waits_for(tmp_path,
         assert all(r.exception() is None for r in reqs)
         f.delete()
     assert _settled(eng)
+
+
+def test_a_callback_escaping_leaves_no_completion_of_its_batch_behind(tmp_path):
+    """Three reads reaped in one batch; the first one's callback raises a BaseException.
+    The other two still complete, the exception comes out once all are complete, and the
+    engine's counts show the delivery that was cut short."""
+    path, fd = _direct_file(tmp_path, "batch")
+    eng = linux_aio.engine()
+    bufs = [cio.aligned_empty(K) for _ in range(3)]
+    held, go, out = threading.Event(), threading.Event(), {}
+
+    def reaper() -> None:                   # holds the token: nobody else reaps meanwhile
+        with eng._token:
+            held.set()
+            go.wait(10)
+            time.sleep(0.2)                 # the three reads are done in the kernel
+            got = 0
+            try:
+                while got < 3:
+                    got += max(eng._reap(3 - got, eng._waiter_wait), 0)
+            except BaseException as e:  # noqa: BLE001 - what the test looks at
+                out["raised"] = e
+    t = threading.Thread(target=reaper)
+    t.start()
+    try:
+        assert held.wait(10)
+        reaped, handed = eng.reaped, eng.handed
+        reqs = [eng.submit(False, fd, b.ctypes.data, K, i * K, b, lambda n, t0, t1: n)
+                for i, b in enumerate(bufs)]
+        assert all(r is not None for r in reqs)
+        reqs[0].add_done_callback(lambda r: (_ for _ in ()).throw(Escape("cb")))
+        go.set()
+        t.join(20)
+        assert isinstance(out.get("raised"), Escape)
+        assert all(requests.Request.done(r) for r in reqs)
+        assert [r.wait() for r in reqs] == [K, K, K]
+        assert eng.reaped - reaped == 3 and eng.handed - handed < 3
+        assert "Escape" in eng.last_error
+        assert eng.in_flight == 0
+    finally:
+        go.set()
+        t.join(20)
+        os.close(fd)
+
+
+def test_the_reaper_lives_on_after_a_callback_escapes(tmp_path):
+    """A callback that lets a BaseException escape on the reaper thread neither kills it
+    nor strands the read (``aio_cases``)."""
+    path, fd = _direct_file(tmp_path, "reaper")
+    try:
+        reaper_lives_on_after_a_callback_escapes(linux_aio.engine(), fd)
+        assert linux_aio.engine()._reaper.is_alive()
+    finally:
+        os.close(fd)
