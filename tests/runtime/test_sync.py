@@ -8,7 +8,18 @@ import pytest
 
 import chemio_py as cio
 from chemio_py.errors import ArgumentError
+from chemio_py.runtime.comm import SerialComm
 from chemio_py.sync import SyncError
+
+
+@pytest.fixture(autouse=True)
+def _serial_here():
+    """The serial tests run on a serial communicator even where an earlier test of this
+    process initialised MPI (comm() is then a one-rank MPI world, and Counter picks an MPI
+    implementation); the tests under mpiexec run in processes of their own."""
+    cio.configure(comm=SerialComm())
+    yield
+    cio.configure(comm=None)
 
 # ------------------------------------------------------------------ serial
 
