@@ -85,7 +85,6 @@ WAITER_WAIT_NS = 20_000_000
 GRACE = 0.001              # seconds the reaper leaves the ring alone after a wait or submit
 NAP_MAX = 0.01             # the reaper's longest nap while other threads wait or submit
 IDLE_SLEEP = 0.02          # the reaper's look at an idle ring (requests nobody waits for)
-_TRACK = "chemio-aio"      # the trace track of kernel-async I/O, whichever engine moves it
 _M32 = 0xFFFF_FFFF
 _is_done = requests.Request.done    # the state alone (_Req.done also collects completions)
 
@@ -268,7 +267,7 @@ class Engine(linux_aio.TokenReaper):
         self._pinned: dict[int, Any] = {}
         self._reg_ok = self._register_table()
         # started by ``engine()`` once published and its lock let go
-        self._reaper = threading.Thread(target=self._reap_loop, name=_TRACK, daemon=True)
+        self._reaper = threading.Thread(target=self._reap_loop, name=linux_aio.TRACK, daemon=True)
 
     # -------------------------------------------------------------- registered buffers
     def _register_table(self) -> bool:

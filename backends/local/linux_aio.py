@@ -59,7 +59,8 @@ WAITER_WAIT_NS = 20_000_000    # a waiter's longest single io_getevents (it then
 GRACE = 0.001              # seconds the reaper leaves the token alone after a wait or submit
 NAP_MAX = 0.01             # the reaper's longest nap while other threads wait or submit
 TOKEN_POLL = 0.0002        # a waiter without the token looks again this often
-_TRACK = "chemio-aio"      # the thread name completions are delivered under (trace track)
+TRACK = "chemio-aio"       # the thread name completions are delivered under (trace track),
+                           # whichever engine (this or io_uring) moves them
 _is_done = requests.Request.done    # the state alone (_Req.done also collects completions)
 
 
@@ -138,8 +139,8 @@ def complete_all(finished: list, value: Callable[[Any], Any], t1: float) -> None
     others behind: it is raised once all are complete."""
     me = threading.current_thread()
     name = me.name
-    if name != _TRACK:          # a waiter delivering: as the AIO thread
-        me.name = _TRACK
+    if name != TRACK:          # a waiter delivering: as the AIO thread
+        me.name = TRACK
     first = None
     try:
         for req in finished:
@@ -150,7 +151,7 @@ def complete_all(finished: list, value: Callable[[Any], Any], t1: float) -> None
                     first = e
             req._keep = None
     finally:
-        if name != _TRACK:
+        if name != TRACK:
             me.name = name
     if first is not None:
         raise first
@@ -251,7 +252,7 @@ class Engine(TokenReaper):
         self._waiter_wait = ctypes.byref(_Timespec(WAITER_WAIT_NS // 10**9,
                                                    WAITER_WAIT_NS % 10**9))
         # started by ``engine()`` once published and its lock let go
-        self._reaper = threading.Thread(target=self._reap_loop, name=_TRACK, daemon=True)
+        self._reaper = threading.Thread(target=self._reap_loop, name=TRACK, daemon=True)
 
     # -------------------------------------------------------------- submission
     def submit(self, write: bool, fd: int, address: int, nbytes: int, offset: int,
