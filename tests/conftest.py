@@ -340,7 +340,8 @@ def pytest_runtest_protocol(item, nextitem):
     # A turnstile before the readers' lock: a waiting exclusive test lets no new test start.
     turn = os.open(os.path.join(locks, "turnstile"), os.O_RDWR | os.O_CREAT, 0o600)
     main = os.open(os.path.join(locks, "tests"), os.O_RDWR | os.O_CREAT, 0o600)
-    memory = os.open(os.path.join(locks, "big_memory"), os.O_RDWR | os.O_CREAT, 0o600)
+    memory = os.open(os.path.join(locks, "big_memory"), os.O_RDWR | os.O_CREAT, 0o600) \
+        if big else None
     try:
         fcntl.flock(turn, fcntl.LOCK_EX)
         fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
@@ -350,7 +351,8 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(memory, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(memory)
+        if memory is not None:
+            os.close(memory)
         os.close(main)
         os.close(turn)
 
