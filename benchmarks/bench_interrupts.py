@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 0
     base = a.workdir or os.environ.get("CHEMIO_SCRATCH", "").split(os.pathsep)[0] or None
+    # A SIGTERM (a batch system's, a kill) ends the run through the finally below: the
+    # running worker is killed by subprocess.run and the work directory removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     work = tempfile.mkdtemp(prefix="chemio-storm-", dir=base)
     clean = True
     try:

@@ -392,3 +392,31 @@ def test_the_storm_watchdog_tells_a_hang_from_a_device_stall(tmp_path, inflight,
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.split() == ["survived", "1"]
         assert proc.stderr.count("stall: ") == 1
+
+
+def test_a_storm_ended_by_sigterm_removes_its_work_directory(tmp_path):
+    """A batch system's SIGTERM to the launcher mid-run: it exits (143), its worker is
+    gone and no ``chemio-storm-*`` directory is left in the work directory."""
+    import subprocess
+    env = dict(os.environ)
+    env["PYTHONPATH"] = bench_interrupts.ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, os.path.join(bench_interrupts.HERE,
+                                                          "bench_interrupts.py"),
+                             "--kind", "cached", "--interrupts", "100000",
+                             "--workdir", str(tmp_path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                p.name.startswith("storm-") for d in tmp_path.glob("chemio-storm-*")
+                for p in d.iterdir()):
+            time.sleep(0.05)                # until a worker is running
+        assert list(tmp_path.glob("chemio-storm-*")), "the storm never started"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert list(tmp_path.iterdir()) == []
