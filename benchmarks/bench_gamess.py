@@ -18,6 +18,11 @@ Two references run the same file, mix, request size and queue depth in the same 
   Its buffers are the same kind of memory as ``cio.aligned_empty``'s: private, on a 2 MiB
   boundary, marked for transparent huge pages. Without O_DIRECT or Linux AIO it is skipped
   (the note says why);
+* the same loop in the grouped calls' shape (``run_grouped``): groups of ``GROUP``, one
+  ``io_submit`` for a group's reads and one for its writes, the oldest group reaped whole
+  before its slots are refilled: what the grouped calls would reach with no Python cost
+  of their own. Its gap to the loop above is the shape's (two system calls per mixed
+  group, waits in group order), not the library's;
 * fio (``ioengine=libaio``, ``iodepth=32``, ``direct=1``, time based), when installed. Its
   buffers are in small pages, so an 8 MiB transfer of fio's reaches the device in requests
   of at most ``max_segments`` pages (254 x 4 KiB on this VM's virtio disk), where a
@@ -313,6 +318,78 @@ class _CeilingLoop:
         k = int(reads[:pos].sum())
         return nread + k, nwrite + pos - k, dt
 
+    def run_grouped(self, fsize: int, read_pct: int, seconds: float,
+                    seed: int) -> tuple[int, int, float]:
+        """The grouped calls' own shape with no chemio_py code: ``IN_FLIGHT // GROUP`` groups
+        of ``GROUP`` requests, drawn as ``_ours_grouped`` draws them; a group's reads go in
+        one ``io_submit`` and its writes in another (one ``aread_many`` and one
+        ``awrite_many`` call), and the oldest group is reaped whole before its slots are
+        refilled. What the grouped calls would reach with no Python cost of their own.
+        Returns ``(reads, writes, seconds)``."""
+        size, words, ev, ptrs, todo = self.size, self._words, self._ev, self._ptrs, \
+            self._submit_list
+        sysc, ctx, getevents = self._sys, self.ctx, self._getevents
+        events = ctypes.c_void_p(ctypes.addressof(self._events))
+        todo_addr = ctypes.c_void_p(todo.ctypes.data)
+        rng = np.random.default_rng(seed)
+        nslots = fsize // size
+        groups = IN_FLIGHT // GROUP
+        batch = max(1, min(64, (32 * MiB) // (size * GROUP)))
+        op_read, op_write = _OP_PREAD | self.fd << 32, _OP_PWRITE | self.fd << 32
+        left = [0] * groups                  # requests of each group not reaped yet
+
+        def reap(g: int) -> None:
+            while left[g]:
+                n = sysc(getevents, ctx, 1, IN_FLIGHT, events, None)
+                if n <= 0:
+                    err = ctypes.get_errno()
+                    if n < 0 and err == errno.EINTR:
+                        continue
+                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
+                done = ev[:n]
+                if (done[:, 2] != size).any():
+                    res = int(done[:, 2][done[:, 2] != size][0])
+                    raise OSError(-res if res < 0 else errno.EIO,
+                                  f"AIO transfer returned {res}, expected {size}")
+                for slot in done[:, 0].tolist():
+                    left[slot // GROUP] -= 1
+
+        def submit(g: int, offs: np.ndarray, nr: int) -> None:
+            first = g * GROUP
+            words[first:first + GROUP, 5] = offs
+            words[first:first + nr, 2] = op_read
+            words[first + nr:first + GROUP, 2] = op_write
+            for lo, hi in ((first, first + nr), (first + nr, first + GROUP)):
+                if hi > lo:
+                    todo[:hi - lo] = ptrs[lo:hi]
+                    if sysc(self._submit, ctx, hi - lo, todo_addr) != hi - lo:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"io_submit: {os.strerror(err)}")
+            left[g] = GROUP
+
+        nread = nwrite = started = 0
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+        while True:
+            offs = (rng.integers(0, nslots, (batch, GROUP)) * size).astype(np.uint64)
+            nreads = (rng.integers(0, 100, (batch, GROUP)) < read_pct).sum(axis=1).tolist()
+            for k in range(batch):
+                g = started % groups
+                if started >= groups:
+                    reap(g)                  # the oldest group, as the grouped calls wait
+                if time.perf_counter() >= deadline:
+                    break
+                submit(g, offs[k], nreads[k])
+                nread += nreads[k]
+                nwrite += GROUP - nreads[k]
+                started += 1
+            else:
+                continue
+            break
+        for g in range(groups):              # drain: every submitted request counts
+            reap(g)
+        return nread, nwrite, time.perf_counter() - t0
+
     def _submit_all(self, n: int, todo_addr: ctypes.c_void_p) -> int:
         if self._sys(self._submit, self.ctx, n, todo_addr) != n:
             err = ctypes.get_errno()
@@ -436,11 +513,13 @@ def _mix_rows(cio: Any, workdir: str, path: str, size: int, label: str, target: 
         runs["grouped_aio"] = _with_engine("aio", runs["grouped"])
     if loop is not None:
         runs["ceiling"] = lambda sec, sd: loop.run(fsize, rd, sec, sd)
+        runs["shape"] = lambda sec, sd: loop.run_grouped(fsize, rd, sec, sd)
     if have_fio:
         runs["fio"] = lambda sec, sd: _fio(path, size, fsize, rd, sec, sd)
     tot = {name: _rates(r, w, size, dt)
            for name, (r, w, dt) in _interleaved(runs, slices, seconds, seed + 1).items()}
     mine, ceil, theirs = tot["grouped"], tot.get("ceiling"), tot.get("fio")
+    shape = tot.get("shape")
     aio = tot.get("grouped_aio")
 
     where = (f"{rd}/{wr} reads/writes, random {label} over {fsize // MiB} MiB, {IN_FLIGHT} "
@@ -461,6 +540,8 @@ def _mix_rows(cio: Any, workdir: str, path: str, size: int, label: str, target: 
              else "; " + skipped) + (" and fio" if theirs else "")
     if aio is not None:
         note += f" and the Linux AIO engine ({mine[key] / aio[key]:.2f}x it)"
+    if shape is not None and shape[key]:
+        note += f"; {mine[key] / shape[key]:.2f}x the {CEILING} in the grouped calls' shape"
     if against == "ceiling" and ceil is not None:
         base_name, base, tgt = f"{CEILING} QD{IN_FLIGHT}", ceil[key], target
         if theirs and theirs[key]:
@@ -485,6 +566,13 @@ def _mix_rows(cio: Any, workdir: str, path: str, size: int, label: str, target: 
                        ceil[key], fio_name, fio_val, None,
                        where + ops(ceil, "loop") + fio_txt
                        + "; bare ctypes io_submit/io_getevents, no chemio_py code"))
+    if shape is not None:
+        out.append(row(f"gamess {rd}/{wr} {label}: {CEILING} in the grouped calls' shape "
+                       f"x{IN_FLIGHT} (their ceiling)", metric, shape[key], fio_name, fio_val,
+                       None, where + ops(shape, "loop") + fio_txt
+                       + f"; bare ctypes, groups of {GROUP}: one io_submit for a group's "
+                       f"reads and one for its writes, the oldest group reaped before its "
+                       f"slots are refilled"))
     return out
 
 
