@@ -254,10 +254,8 @@ class _CeilingLoop:
     def run(self, fsize: int, read_pct: int, seconds: float,
             seed: int) -> tuple[int, int, float]:
         """``read_pct`` % random reads, the rest writes, for ``seconds``: (reads, writes, s)."""
-        size, words, ev, ptrs, todo = self.size, self._words, self._ev, self._ptrs, \
-            self._submit_list
-        sysc, ctx, getevents, submit = self._sys, self.ctx, self._getevents, self._submit
-        events = ctypes.c_void_p(ctypes.addressof(self._events))
+        size, words, ptrs, todo = self.size, self._words, self._ptrs, self._submit_list
+        sysc, ctx, submit = self._sys, self.ctx, self._submit
         todo_addr = ctypes.c_void_p(todo.ctypes.data)
         rng = np.random.default_rng(seed)
         nslots = fsize // size
@@ -279,17 +277,8 @@ class _CeilingLoop:
         pos = self._submit_all(IN_FLIGHT, todo_addr)
         in_flight = IN_FLIGHT
         while True:
-            n = sysc(getevents, ctx, _REAP_MIN, IN_FLIGHT, events, None)
-            if n <= 0:
-                err = ctypes.get_errno()
-                if n < 0 and err == errno.EINTR:
-                    continue
-                raise OSError(err, f"io_getevents: {os.strerror(err)}")
-            done = ev[:n]
-            if (done[:, 2] != size).any():
-                res = int(done[:, 2][done[:, 2] != size][0])
-                raise OSError(-res if res < 0 else errno.EIO,
-                              f"AIO transfer returned {res}, expected {size}")
+            done = self._reap(_REAP_MIN)
+            n = len(done)
             in_flight -= n
             if time.perf_counter() >= deadline:
                 break
@@ -308,12 +297,7 @@ class _CeilingLoop:
             pos += n
             in_flight += n
         while in_flight:                     # drain: every submitted request counts
-            n = sysc(getevents, ctx, 1, IN_FLIGHT, events, None)
-            if n < 0 and ctypes.get_errno() == errno.EINTR:
-                continue
-            if n <= 0:
-                raise OSError(ctypes.get_errno(), "io_getevents")
-            in_flight -= n
+            in_flight -= len(self._reap(1))
         dt = time.perf_counter() - t0
         k = int(reads[:pos].sum())
         return nread + k, nwrite + pos - k, dt
@@ -326,10 +310,8 @@ class _CeilingLoop:
         ``awrite_many`` call), and the oldest group is reaped whole before its slots are
         refilled. What the grouped calls would reach with no Python cost of their own.
         Returns ``(reads, writes, seconds)``."""
-        size, words, ev, ptrs, todo = self.size, self._words, self._ev, self._ptrs, \
-            self._submit_list
-        sysc, ctx, getevents = self._sys, self.ctx, self._getevents
-        events = ctypes.c_void_p(ctypes.addressof(self._events))
+        size, words, ptrs, todo = self.size, self._words, self._ptrs, self._submit_list
+        sysc, ctx = self._sys, self.ctx
         todo_addr = ctypes.c_void_p(todo.ctypes.data)
         rng = np.random.default_rng(seed)
         nslots = fsize // size
@@ -340,18 +322,7 @@ class _CeilingLoop:
 
         def reap(g: int) -> None:
             while left[g]:
-                n = sysc(getevents, ctx, 1, IN_FLIGHT, events, None)
-                if n <= 0:
-                    err = ctypes.get_errno()
-                    if n < 0 and err == errno.EINTR:
-                        continue
-                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
-                done = ev[:n]
-                if (done[:, 2] != size).any():
-                    res = int(done[:, 2][done[:, 2] != size][0])
-                    raise OSError(-res if res < 0 else errno.EIO,
-                                  f"AIO transfer returned {res}, expected {size}")
-                for slot in done[:, 0].tolist():
+                for slot in self._reap(1)[:, 0].tolist():
                     left[slot // GROUP] -= 1
 
         def submit(g: int, offs: np.ndarray, nr: int) -> None:
@@ -389,6 +360,26 @@ class _CeilingLoop:
         for g in range(groups):              # drain: every submitted request counts
             reap(g)
         return nread, nwrite, time.perf_counter() - t0
+
+    def _reap(self, min_nr: int) -> np.ndarray:
+        """Wait for at least ``min_nr`` finished transfers (EINTR retried); their events'
+        rows (data, obj, res, res2). Raises OSError for a transfer that did not move
+        ``size`` bytes."""
+        events = ctypes.c_void_p(ctypes.addressof(self._events))
+        while True:
+            n = self._sys(self._getevents, self.ctx, min_nr, IN_FLIGHT, events, None)
+            if n > 0:
+                break
+            err = ctypes.get_errno()
+            if n < 0 and err == errno.EINTR:
+                continue
+            raise OSError(err, f"io_getevents: {os.strerror(err)}")
+        done = self._ev[:n]
+        if (done[:, 2] != self.size).any():
+            res = int(done[:, 2][done[:, 2] != self.size][0])
+            raise OSError(-res if res < 0 else errno.EIO,
+                          f"AIO transfer returned {res}, expected {self.size}")
+        return done
 
     def _submit_all(self, n: int, todo_addr: ctypes.c_void_p) -> int:
         if self._sys(self._submit, self.ctx, n, todo_addr) != n:
