@@ -123,6 +123,9 @@ class _Paths:
         self.blocks_seen = 0
         self.d = self.rf = None
         self.live: list = []                # pipelines / files an interrupt may leave open
+        # SIGINT's handler as the worker found it (SIG_IGN under nohup or a background
+        # job of a script, Python's default_int_handler otherwise)
+        self.sigint = signal.getsignal(signal.SIGINT)
         if kind in ("direct", "cached", "writebehind"):
             model = np.repeat(np.arange(ROWS, dtype=np.float64)[:, None], COLS, axis=1)
             self.d = cio.DiskArray.create("storm", (ROWS, COLS), "f8", chunks=(BLOCK, COLS),
@@ -228,8 +231,9 @@ class _Paths:
                 bad.append(f"AIO engine: {len(eng._waiting)} waiters recorded")
             if len(eng._free) != len(eng._entries) or len(eng._gfree) != len(eng._gowner):
                 bad.append("AIO engine: control blocks leaked")
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            bad.append(f"SIGINT handler left replaced: {signal.getsignal(signal.SIGINT)!r}")
+        if signal.getsignal(signal.SIGINT) != self.sigint:
+            bad.append(f"SIGINT handler left replaced: {signal.getsignal(signal.SIGINT)!r} "
+                       f"(was {self.sigint!r})")
         return bad
 
     def finish(self) -> None:

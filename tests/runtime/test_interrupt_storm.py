@@ -420,3 +420,21 @@ def test_a_storm_ended_by_sigterm_removes_its_work_directory(tmp_path):
             proc.wait()
     assert proc.returncode == 143, err[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_storm_launched_with_sigint_ignored_reports_no_false_failure(tmp_path):
+    """Under ``nohup`` or as a background job of a script, a process starts with SIGINT
+    ignored and Python leaves it so. The worker's check that no SIGINT handler is left
+    replaced compares against what it found, not against Python's default handler."""
+    import subprocess
+    env = dict(os.environ)
+    env["PYTHONPATH"] = bench_interrupts.ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(bench_interrupts.HERE,
+                                                        "bench_interrupts.py"),
+                           "--kind", "replay", "--interrupts", "20", "--seed", "3",
+                           "--workdir", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "left replaced" not in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == []
