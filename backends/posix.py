@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import math
 import mmap
+import operator
 import os
 import queue
 import stat as _stat
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from chemio_py.errors import StorageError
+from chemio_py.errors import ArgumentError, StorageError
 from chemio_py.scratch import fs, jobs
 
 DIRECT_ALIGN = 4096             # O_DIRECT alignment of buffer address, offset and length
@@ -228,6 +230,33 @@ def removal_error(path: str, failures: list, what: str) -> StorageError:
 HUGE_PAGE = 2 << 20             # a transparent huge page (x86-64 and aarch64 with 4 KiB pages)
 
 
+def _buffer_shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints, none negative) as a tuple of ints."""
+    try:
+        dims = (operator.index(shape),) if not isinstance(shape, (tuple, list)) else \
+            tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise ArgumentError(f"aligned_empty() shape must be an int or a sequence of ints, "
+                            f"got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ArgumentError(f"aligned_empty() shape {dims} has a negative dimension; "
+                            f"dimensions are element counts >= 0")
+    return dims
+
+
+def _buffer_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as a NumPy dtype of plain values (no Python objects)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise ArgumentError(f"aligned_empty() dtype {dtype!r} is not a NumPy dtype: "
+                            f"{e}") from None
+    if dt.hasobject:
+        raise ArgumentError(f"aligned_empty() dtype {dt} holds Python objects, which cannot "
+                            f"live in raw I/O memory; use a numeric or bytes dtype")
+    return dt
+
+
 def aligned_empty(shape: Any, dtype: Any = np.uint8, align: int = DIRECT_ALIGN) -> np.ndarray:
     """An uninitialised C-ordered array whose data starts on an ``align``-byte boundary.
 
@@ -239,8 +268,13 @@ def aligned_empty(shape: Any, dtype: Any = np.uint8, align: int = DIRECT_ALIGN) 
     kernel gives no huge pages the memory is the same, in small pages. Smaller buffers are
     page-aligned private memory, or, under a page or for an alignment past one, an aligned
     slice of a NumPy array."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
+    shape, dtype = _buffer_shape(shape), _buffer_dtype(dtype)
+    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align < 1 \
+            or align & (align - 1):
+        raise ArgumentError(f"aligned_empty() align must be a power of two (bytes), got "
+                            f"{align!r}; O_DIRECT needs {DIRECT_ALIGN}")
+    align = int(align)
+    count = math.prod(shape)
     nbytes = count * dtype.itemsize
     private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if nbytes >= HUGE_PAGE and align <= HUGE_PAGE and private:

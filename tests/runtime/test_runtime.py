@@ -313,6 +313,26 @@ def test_aligned_empty_gives_aligned_private_memory_on_huge_pages_from_2_mib(
     assert int(np.count_nonzero(flat != 7)) == 0    # the parent's memory is untouched
 
 
+@pytest.mark.parametrize("args, says", [
+    (((-1,),), "negative dimension"),
+    (((2, -3), "f8"), "negative dimension"),
+    ((("a",),), "sequence of ints"),
+    ((2.5,), "sequence of ints"),
+    (((4,), "f8", 3), "power of two"),
+    (((4,), "f8", 0), "power of two"),
+    (((4,), "f8", True), "power of two"),
+    (((4,), object), "Python objects"),
+    (((4,), "nope"), "not a NumPy dtype"),
+])
+def test_aligned_empty_refuses_bad_arguments_with_what_was_asked(args, says):
+    """A negative dimension, a shape that is not ints, an alignment that is not a power of
+    two, a dtype of Python objects or no dtype at all: ``ArgumentError`` (a ValueError)
+    naming the argument, as NumPy refuses ``np.empty((-1,))``, not a wrong array."""
+    with pytest.raises(cio.errors.ArgumentError, match=says) as info:
+        cio.aligned_empty(*args)
+    assert isinstance(info.value, ValueError)
+
+
 def test_huge_page_buffers_round_trip_through_o_direct(tmp_path):
     """A 6 MiB ``aligned_empty`` buffer written and read back through the O_DIRECT path,
     whole and as rows of ``awrite_many``/``aread_many``, matches NumPy's copy."""
