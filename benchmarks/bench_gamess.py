@@ -21,13 +21,14 @@ Two references run the same file, mix, request size and queue depth in the same 
 * the same loop in the grouped calls' shape (``run_grouped``): groups of ``GROUP``, one
   ``io_submit`` for a group's reads and one for its writes, the oldest group reaped whole
   before its slots are refilled: what the grouped calls would reach with no Python cost
-  of their own. Its gap to the loop above is the shape's (two system calls per mixed
-  group, waits in group order), not the library's;
+  of their own. At 4 KiB it ran 1.2-1.4x the loop above (2026-11-27: fuller
+  ``io_submit`` calls, each of which has a fixed cost), so the grouped calls' distance to
+  it is their own Python per call, not their shape;
 * fio (``ioengine=libaio``, ``iodepth=32``, ``direct=1``, time based), when installed. Its
   buffers are in small pages, so an 8 MiB transfer of fio's reaches the device in requests
   of at most ``max_segments`` pages (254 x 4 KiB on this VM's virtio disk), where a
   transfer from huge pages goes in requests of ``max_sectors_kb`` (4 MiB): at 8 MiB the
-  loop is the like-for-like reference (2026-11-27: loop 2.4-3.2x fio, chemio 0.97-0.99x
+  loop is the like-for-like reference (2026-11-27: loop 2.4-3.2x fio, chemio 0.97-1.08x
   the loop).
 
 The grouped calls, the loop and fio alternate (ABBA) in slices of the case's time (10 at
