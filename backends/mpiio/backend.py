@@ -472,43 +472,36 @@ class MpiioByteStore(_MpiStore):
 
     def pread(self, offset: int, out: Any) -> int:
         """Fill ``out`` from ``offset``; returns the bytes read (fewer only at end of file)."""
-        MPI = _mpi()
-        mv = bytes_view(out, writable=True)
-        n = len(mv)
-        done = 0
-        st = MPI.Status()
-        try:
-            while done < n:
-                k = min(n - done, PIECE)
-                self._fh.Read_at(offset + done, [mv[done:done + k], MPI.BYTE], st)
-                got = st.Get_count(MPI.BYTE)
-                if got <= 0:
-                    break
-                done += got
-        except MPI.Exception as e:
-            raise self._error(e, offset, n, "read") from e
-        return done
+        return self._move(False, offset, bytes_view(out, writable=True))
 
     def pwrite(self, offset: int, data: Any) -> int:
         """Write all of ``data`` at ``offset`` (extending the file); returns its length."""
         if not self.writable:
             self._refuse_write()
+        return self._move(True, offset, bytes_view(data, writable=False))
+
+    def _move(self, write: bool, offset: int, mv: memoryview) -> int:
+        """Write ``mv`` at ``offset``, or fill it from there, in calls of at most ``PIECE``
+        bytes; the bytes moved. A read ends early at end of file; a write that moves
+        nothing raises."""
         MPI = _mpi()
-        mv = bytes_view(data, writable=False)
-        n = len(mv)
-        done = 0
-        st = MPI.Status()
+        call = self._fh.Write_at if write else self._fh.Read_at
+        n, done, st = len(mv), 0, MPI.Status()
         try:
             while done < n:
                 k = min(n - done, PIECE)
-                self._fh.Write_at(offset + done, [mv[done:done + k], MPI.BYTE], st)
+                call(offset + done, [mv[done:done + k], MPI.BYTE], st)
                 got = st.Get_count(MPI.BYTE)
                 if got <= 0:
-                    raise _no_progress(self.path, self._fd, offset + done, n - done)
+                    if write:
+                        raise _no_progress(self.path, self._fd, offset + done, n - done)
+                    break
                 done += got
         except MPI.Exception as e:
-            raise self._error(e, offset + done, n - done, "write") from e
-        return n
+            if write:
+                raise self._error(e, offset + done, n - done, "write") from e
+            raise self._error(e, offset, n, "read") from e
+        return done
 
     # -------------------------------------------------------------- native asynchrony
     def _engine(self) -> _Progress | None:
