@@ -28,10 +28,31 @@ from typing import Any
 
 import numpy as np
 
-from chemio_py.errors import ArgumentError, StorageError
+from chemio_py.errors import ArgumentError, OutOfSpaceError, StorageError
 from chemio_py.scratch import fs, jobs
 
 DIRECT_ALIGN = 4096             # O_DIRECT alignment of buffer address, offset and length
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)     # no room: OutOfSpaceError, not StorageError
+
+
+def free_bytes(fd: int) -> int | None:
+    """Bytes free to this user on the file system of ``fd`` (None if it cannot say)."""
+    try:
+        st = os.fstatvfs(fd)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def datasync(fd: int, path: str) -> None:
+    """``fdatasync(fd)``: a full device or quota raises ``OutOfSpaceError`` (with the free
+    bytes), any other failure ``StorageError``."""
+    try:
+        os.fdatasync(fd)
+    except OSError as e:
+        if e.errno in SPACE_ERRNOS:
+            raise OutOfSpaceError(path, None, free_bytes(fd), what="flush") from e
+        raise StorageError(e.errno, path, None, None, "flush") from e
 
 
 # ---------------------------------------------------------------- opening data files

@@ -35,6 +35,7 @@ from chemio_py.backends.local.mappings import (ReadMap, drop_map, live_maps, mak
                                                map_cap, maps_lock)
 from chemio_py.backends.posix import (
     DIRECT_ALIGN,
+    SPACE_ERRNOS,
     ScratchPlaces,
     buffer_address,
     byte_span,
@@ -55,7 +56,6 @@ from chemio_py.scratch import fs
 
 _log = logging.getLogger(__name__)
 
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _MODES = {
     "r": os.O_RDONLY,
@@ -125,11 +125,7 @@ class _PosixFile:
         return self._fd < 0
 
     def _free(self) -> int | None:
-        try:
-            st = os.fstatvfs(self._fd)
-            return st.f_bavail * st.f_frsize
-        except OSError:
-            return None
+        return posix.free_bytes(self._fd)
 
     def size(self) -> int:
         return os.fstat(self._fd).st_size
@@ -140,14 +136,8 @@ class _PosixFile:
 
     def flush(self) -> None:
         """Make written data durable (fdatasync)."""
-        if not self.writable:
-            return
-        try:
-            os.fdatasync(self._fd)
-        except OSError as e:
-            if e.errno in _SPACE_ERRNOS:
-                raise OutOfSpaceError(self.path, None, self._free(), what="flush") from e
-            raise StorageError(e.errno, self.path, None, None, "flush") from e
+        if self.writable:
+            posix.datasync(self._fd, self.path)
 
     def evict(self) -> None:
         """Drop the file's pages from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
@@ -219,7 +209,7 @@ class LocalByteStore(_PosixFile):
             while done < n:
                 done += os.pwrite(fd, mv[done:], offset + done)
         except OSError as e:
-            if e.errno in _SPACE_ERRNOS:
+            if e.errno in SPACE_ERRNOS:
                 raise OutOfSpaceError(self.path, n - done, self._free(), what="write") from e
             if e.errno == errno.EINVAL and fd == self._dfd:
                 self._dfd = None
@@ -280,7 +270,7 @@ class LocalByteStore(_PosixFile):
 
         def done(res: int, t0: float, t1: float) -> Any:
             if res < 0:
-                if -res in _SPACE_ERRNOS:
+                if -res in SPACE_ERRNOS:
                     raise OutOfSpaceError(self.path, n, self._free(), what="write")
                 raise StorageError(-res, self.path, offset, n, "write")
             if res < n:                     # rare: finish the rest through the page cache
@@ -337,7 +327,7 @@ class LocalByteStore(_PosixFile):
             return
         i = next(k for k, r in enumerate(results) if r < 0)
         err, n = -results[i], many.size(i)
-        if op == "write" and err in _SPACE_ERRNOS:
+        if op == "write" and err in SPACE_ERRNOS:
             raise OutOfSpaceError(self.path, n, self._free(), what="write")
         raise StorageError(err, self.path, int(many.offsets[i]), n, op)
 
@@ -357,7 +347,7 @@ class LocalByteStore(_PosixFile):
             return
         fs.check_space(self.path, need, what=f"reserve {n} bytes", free=self._free())
         err = fallocate_keep_size(self._fd, n)
-        if err in _SPACE_ERRNOS:
+        if err in SPACE_ERRNOS:
             raise OutOfSpaceError(self.path, need, self._free(), what="reserve")
         if err not in (0, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise StorageError(err, self.path, 0, n, "reserve")
@@ -446,7 +436,7 @@ class LocalBackend(ScratchPlaces):
                     raise StorageError(e.errno, path, None, layout.nbytes, "truncate") from e
                 if reserve and layout.nbytes:
                     err = fallocate_keep_size(fd, layout.nbytes)
-                    if err in _SPACE_ERRNOS:
+                    if err in SPACE_ERRNOS:
                         raise OutOfSpaceError(path, layout.nbytes, fs.stat(path).free,
                                               what="reserve the array")
             elif st.st_size != layout.nbytes:
@@ -527,7 +517,7 @@ class LocalArrayStore(_PosixFile):
                 k = fn(fd, views[i:], offset)
         except OSError as e:
             op = "write" if write else "read"
-            if write and e.errno in _SPACE_ERRNOS:
+            if write and e.errno in SPACE_ERRNOS:
                 raise OutOfSpaceError(self.path, total - (offset - first), None, what=op) from e
             hint = "" if e.errno != errno.EIO or write else \
                 "the data file is shorter than the array: it was truncated behind chemio's back"
@@ -1158,7 +1148,7 @@ class LocalArrayStore(_PosixFile):
             fs.check_space(self.path, n - have, what=f"grow the array to {n} bytes",
                            free=self._free())
             err = fallocate_keep_size(self._fd, n)
-            if err in _SPACE_ERRNOS:
+            if err in SPACE_ERRNOS:
                 raise OutOfSpaceError(self.path, n - have, self._free(), what="grow the array")
         kept = (min(lay.shape[0], self.layout.shape[0]), *self.layout.shape[1:])
         zero_regions(self.write, stale_regions(self.shape, new, kept), self.chunks,

@@ -41,10 +41,13 @@ import numpy as np
 
 from chemio_py.backends.mpiio import types as mpi_types
 from chemio_py.backends.posix import (
+    SPACE_ERRNOS,
     ScratchPlaces,
     byte_span,
     bytes_view,
+    datasync,
     fallocate_keep_size,
+    free_bytes,
     open_checked,
     unlink_regular,
 )
@@ -63,7 +66,6 @@ DEFAULT_HINTS = {"romio_cb_write": "enable", "romio_ds_write": "disable",
 ROMIO_DRIVERS = ("ufs", "nfs", "lustre", "gpfs", "pvfs2", "daos", "xfs", "panfs", "ime",
                  "quobytefs")
 _MODES = ("r", "r+", "w+", "x+")
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _POLL_MIN, _POLL_MAX = 20e-6, 1e-3          # completion-thread back-off between tests
 _warned: list[bool] = []
 _MPI: list[Any] = []
@@ -158,7 +160,7 @@ def mpi_error(e: Any, path: str, offset: int | None, size: int | None, op: str,
     err = _errno_of(MPI).get(cls, errno.EIO)
     if err == errno.EIO:
         err = _errno_in(str(e) if cls is None else e.Get_error_string())
-    if err in _SPACE_ERRNOS:
+    if err in SPACE_ERRNOS:
         if free is None:
             try:
                 free = fs.stat(path).free
@@ -180,19 +182,11 @@ def _errno_in(text: str) -> int:
 def _no_progress(path: str, fd: int, offset: int, left: int) -> StorageError:
     """The error of a write that moved nothing and reported nothing (ROMIO's ``Iwrite_at``
     on a full file system): out of space when the space is gone, else EIO."""
-    free = _free_space(fd) if fd >= 0 else None
+    free = free_bytes(fd) if fd >= 0 else None
     if free is not None and free < left:
         return OutOfSpaceError(path, left, free, what="write")
     return StorageError(errno.EIO, path, offset, left, "write",
                         "MPI-IO wrote nothing and reported no error")
-
-
-def _free_space(fd: int) -> int | None:
-    try:
-        st = os.fstatvfs(fd)
-        return st.f_bavail * st.f_frsize
-    except OSError:
-        return None
 
 
 def _warn_collective_leak(path: str) -> None:
@@ -463,7 +457,7 @@ class MpiioByteStore(_MpiStore):
         return self._fh is None
 
     def _error(self, e: Any, offset: int | None, size: int | None, op: str) -> StorageError:
-        free = _free_space(self._fd) if self._fd >= 0 else None
+        free = free_bytes(self._fd) if self._fd >= 0 else None
         return mpi_error(e, self.path, offset, size, op, free)
 
     def _refuse_write(self) -> None:
@@ -527,7 +521,7 @@ class MpiioByteStore(_MpiStore):
         if eng is None:
             return None
         mv = bytes_view(data, writable=False)
-        free = _free_space(self._fd)
+        free = free_bytes(self._fd)
         if free is not None and free < len(mv):
             return None     # ROMIO's Iwrite_at on a full file system never completes
         return eng.submit(self, True, offset, mv, then, stats)
@@ -560,24 +554,17 @@ class MpiioByteStore(_MpiStore):
         if need <= 0:
             return
         fs.check_space(self.path, need, what=f"reserve {n} bytes",
-                            free=_free_space(self._fd))
+                            free=free_bytes(self._fd))
         err = fallocate_keep_size(self._fd, n)
-        if err in _SPACE_ERRNOS:
-            raise OutOfSpaceError(self.path, need, _free_space(self._fd), what="reserve")
+        if err in SPACE_ERRNOS:
+            raise OutOfSpaceError(self.path, need, free_bytes(self._fd), what="reserve")
         if err not in (0, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.EBADF):
             raise StorageError(err, self.path, 0, n, "reserve")
 
     def flush(self) -> None:
         """Make this rank's writes durable (``fdatasync``; rank-local)."""
-        if not self.writable:
-            return
-        try:
-            os.fdatasync(self._fd)
-        except OSError as e:
-            if e.errno in _SPACE_ERRNOS:
-                raise OutOfSpaceError(self.path, None, _free_space(self._fd),
-                                      what="flush") from e
-            raise StorageError(e.errno, self.path, None, None, "flush") from e
+        if self.writable:
+            datasync(self._fd, self.path)
 
     def sync_all(self) -> None:
         """Collective: ``File.Sync``, barrier, ``File.Sync``: afterwards every rank sees what
@@ -786,8 +773,8 @@ class MpiioArrayStore(_MpiStore):
                 if n > old_n:
                     fs.check_space(self.path, n - have, what=f"grow the array to {n} bytes")
                     err = fallocate_keep_size(self._fd, n)
-                    if err in _SPACE_ERRNOS:
-                        raise OutOfSpaceError(self.path, n - have, _free_space(self._fd),
+                    if err in SPACE_ERRNOS:
+                        raise OutOfSpaceError(self.path, n - have, free_bytes(self._fd),
                                               what="grow the array")
                 try:
                     os.ftruncate(self._fd, n)
@@ -1065,8 +1052,8 @@ def _create_array(path: str, mode: str, layout: Any, perms: int, reserve: bool) 
             raise StorageError(e.errno, path, None, layout.nbytes, "truncate") from e
         if reserve and layout.nbytes:
             err = fallocate_keep_size(fd, layout.nbytes)
-            if err in _SPACE_ERRNOS:
-                raise OutOfSpaceError(path, layout.nbytes, _free_space(fd),
+            if err in SPACE_ERRNOS:
+                raise OutOfSpaceError(path, layout.nbytes, free_bytes(fd),
                                       what="reserve the array")
     except BaseException:
         os.close(fd)

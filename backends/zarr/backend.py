@@ -90,6 +90,7 @@ import numpy as np
 from chemio_py.backends.grid import Layout, region_nbytes
 from chemio_py.backends.posix import (
     DIR_FLAGS,
+    SPACE_ERRNOS,
     ScratchPlaces,
     clear_dir,
     removal_error,
@@ -119,7 +120,6 @@ INNER_TARGET = 1 << 20           # default inner chunk: at most this ...
 INNER_MIN = 256 << 10            # ... and not less than this when the shape allows
 LOCK_NAME = ".chemio-lock"
 TASK_BYTES = 4 << 20             # read_all/write_all fan out in tasks of about this
-_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _STRIPES = 64
 _DIRTY_MAX = 1 << 16             # objects remembered for flush; beyond: flush syncs all
 _MODES = ("r", "r+", "w+", "x+")
@@ -432,7 +432,7 @@ class ZarrArrayStore:
                             "again to use the array that is there now")
 
     def _error(self, e: OSError, path: str, what: str, n: int | None = None) -> Exception:
-        if e.errno in _SPACE:
+        if e.errno in SPACE_ERRNOS:
             try:
                 free = fs.stat(path).free
             except OSError:
