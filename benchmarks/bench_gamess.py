@@ -312,7 +312,6 @@ class _CeilingLoop:
         refilled. What the grouped calls would reach with no Python cost of their own.
         Returns ``(reads, writes, seconds)``."""
         size, words, ptrs, todo = self.size, self._words, self._ptrs, self._submit_list
-        sysc, ctx = self._sys, self.ctx
         todo_addr = ctypes.c_void_p(todo.ctypes.data)
         rng = np.random.default_rng(seed)
         nslots = fsize // size
@@ -334,30 +333,28 @@ class _CeilingLoop:
             for lo, hi in ((first, first + nr), (first + nr, first + GROUP)):
                 if hi > lo:
                     todo[:hi - lo] = ptrs[lo:hi]
-                    if sysc(self._submit, ctx, hi - lo, todo_addr) != hi - lo:
-                        err = ctypes.get_errno()
-                        raise OSError(err, f"io_submit: {os.strerror(err)}")
+                    self._submit_all(hi - lo, todo_addr)
             left[g] = GROUP
+
+        def draws() -> Any:                  # (offsets, reads) of each group, as drawn
+            while True:
+                offs = (rng.integers(0, nslots, (batch, GROUP)) * size).astype(np.uint64)
+                reads = (rng.integers(0, 100, (batch, GROUP)) < read_pct).sum(axis=1)
+                yield from zip(offs, reads.tolist())
 
         nread = nwrite = started = 0
         t0 = time.perf_counter()
         deadline = t0 + seconds
-        while True:
-            offs = (rng.integers(0, nslots, (batch, GROUP)) * size).astype(np.uint64)
-            nreads = (rng.integers(0, 100, (batch, GROUP)) < read_pct).sum(axis=1).tolist()
-            for k in range(batch):
-                g = started % groups
-                if started >= groups:
-                    reap(g)                  # the oldest group, as the grouped calls wait
-                if time.perf_counter() >= deadline:
-                    break
-                submit(g, offs[k], nreads[k])
-                nread += nreads[k]
-                nwrite += GROUP - nreads[k]
-                started += 1
-            else:
-                continue
-            break
+        for offs, nr in draws():
+            g = started % groups
+            if started >= groups:
+                reap(g)                      # the oldest group, as the grouped calls wait
+            if time.perf_counter() >= deadline:
+                break
+            submit(g, offs, nr)
+            nread += nr
+            nwrite += GROUP - nr
+            started += 1
         for g in range(groups):              # drain: every submitted request counts
             reap(g)
         return nread, nwrite, time.perf_counter() - t0
