@@ -252,13 +252,16 @@ HUGE_PAGE = 2 << 20             # a transparent huge page (x86-64 and aarch64 wi
 
 
 def _buffer_shape(shape: Any) -> tuple[int, ...]:
-    """``shape`` (an int or a sequence of ints, none negative) as a tuple of ints."""
+    """``shape`` (an int or a sequence of ints, none negative, as NumPy takes it: a tuple,
+    a list, a 1-d integer array) as a tuple of ints."""
     try:
-        dims = (operator.index(shape),) if not isinstance(shape, (tuple, list)) else \
-            tuple(operator.index(d) for d in shape)
+        dims: tuple[int, ...] = (operator.index(shape),)
     except TypeError:
-        raise ArgumentError(f"aligned_empty() shape must be an int or a sequence of ints, "
-                            f"got {shape!r}") from None
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise ArgumentError(f"aligned_empty() shape must be an int or a sequence of "
+                                f"ints, got {shape!r}") from None
     if any(d < 0 for d in dims):
         raise ArgumentError(f"aligned_empty() shape {dims} has a negative dimension; "
                             f"dimensions are element counts >= 0")

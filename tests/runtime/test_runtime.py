@@ -333,6 +333,14 @@ def test_aligned_empty_refuses_bad_arguments_with_what_was_asked(args, says):
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("shape", [np.array([2, 3]), range(2, 4), [2, 3], np.int64(6)])
+def test_aligned_empty_takes_the_shapes_numpy_takes(shape):
+    """A 1-d integer array, a range, a list or a NumPy integer as the shape, as
+    ``np.empty`` takes them."""
+    a = cio.aligned_empty(shape, np.float64)
+    assert a.shape == np.empty(shape).shape and a.ctypes.data % 4096 == 0
+
+
 def test_huge_page_buffers_round_trip_through_o_direct(tmp_path):
     """A 6 MiB ``aligned_empty`` buffer written and read back through the O_DIRECT path,
     whole and as rows of ``awrite_many``/``aread_many``, matches NumPy's copy."""
