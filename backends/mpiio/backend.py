@@ -182,7 +182,7 @@ def _errno_in(text: str) -> int:
 def _no_progress(path: str, fd: int, offset: int, left: int) -> StorageError:
     """The error of a write that moved nothing and reported nothing (ROMIO's ``Iwrite_at``
     on a full file system): out of space when the space is gone, else EIO."""
-    free = free_bytes(fd) if fd >= 0 else None
+    free = free_bytes(fd)                # (None for a closed descriptor)
     if free is not None and free < left:
         return OutOfSpaceError(path, left, free, what="write")
     return StorageError(errno.EIO, path, offset, left, "write",
@@ -457,7 +457,7 @@ class MpiioByteStore(_MpiStore):
         return self._fh is None
 
     def _error(self, e: Any, offset: int | None, size: int | None, op: str) -> StorageError:
-        free = free_bytes(self._fd) if self._fd >= 0 else None
+        free = free_bytes(self._fd)
         return mpi_error(e, self.path, offset, size, op, free)
 
     def _refuse_write(self) -> None:
