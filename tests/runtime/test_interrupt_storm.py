@@ -396,17 +396,22 @@ def test_the_storm_watchdog_tells_a_hang_from_a_device_stall(tmp_path, inflight,
         assert proc.stderr.count("stall: ") == 1
 
 
+def _launcher(*args: str) -> tuple[list[str], dict]:
+    """The command line and environment of the storm launcher run as a program."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = bench_interrupts.ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return [sys.executable, os.path.join(bench_interrupts.HERE, "bench_interrupts.py"),
+            *args], env
+
+
 def test_a_storm_ended_by_sigterm_removes_its_work_directory(tmp_path):
     """A batch system's SIGTERM to the launcher mid-run: it exits (143), its worker is
     gone and no ``chemio-storm-*`` directory is left in the work directory."""
     import subprocess
-    env = dict(os.environ)
-    env["PYTHONPATH"] = bench_interrupts.ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, os.path.join(bench_interrupts.HERE,
-                                                          "bench_interrupts.py"),
-                             "--kind", "cached", "--interrupts", "100000",
-                             "--workdir", str(tmp_path)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    argv, env = _launcher("--kind", "cached", "--interrupts", "100000",
+                          "--workdir", str(tmp_path))
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(
@@ -429,13 +434,9 @@ def test_a_storm_launched_with_sigint_ignored_reports_no_false_failure(tmp_path)
     ignored and Python leaves it so. The worker's check that no SIGINT handler is left
     replaced compares against what it found, not against Python's default handler."""
     import subprocess
-    env = dict(os.environ)
-    env["PYTHONPATH"] = bench_interrupts.ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(bench_interrupts.HERE,
-                                                        "bench_interrupts.py"),
-                           "--kind", "replay", "--interrupts", "20", "--seed", "3",
-                           "--workdir", str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=120,
+    argv, env = _launcher("--kind", "replay", "--interrupts", "20", "--seed", "3",
+                          "--workdir", str(tmp_path))
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "left replaced" not in proc.stdout + proc.stderr
